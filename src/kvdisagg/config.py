@@ -1,0 +1,42 @@
+"""Typed connector settings, parsed once from ``kv_connector_extra_config``.
+
+Every bad value stops start-up with a message that names the key; an unknown key is refused,
+so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+from kvdisagg.errors import ConfigError
+
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+PositiveSeconds = Annotated[float, msgspec.Meta(gt=0, le=86400)]
+
+
+class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Settings of DisaggConnector (the ``kv_connector_extra_config`` dict)."""
+
+    transport: str = "tcp"
+    """Transport name (``tcp``) or ``module:Class`` of a custom Transport."""
+    side_channel_host: str = "127.0.0.1"
+    """Address the prefill worker listens on and advertises in kv_transfer_params."""
+    side_channel_port: Port = 0
+    """Port of TP rank 0 (rank r listens on port + r); 0 picks free ports and advertises them."""
+    lease_seconds: PositiveSeconds = 30.0
+    """Prefill frees a handoff's blocks this long after it finished if no decode acknowledged."""
+    transfer_timeout_seconds: PositiveSeconds = 30.0
+    """Bound on connecting to prefill and on one pull; past it the load fails."""
+
+
+def parse_config(extra: dict[str, Any] | None) -> ConnectorConfig:
+    """Validate ``kv_connector_extra_config``; raise ConfigError naming the offending key."""
+    try:
+        return msgspec.convert(extra or {}, ConnectorConfig)
+    except msgspec.ValidationError as exc:
+        known = ", ".join(ConnectorConfig.__struct_fields__)
+        raise ConfigError(
+            f"DisaggConnector: invalid kv_connector_extra_config: {exc} (known keys: {known})"
+        ) from None

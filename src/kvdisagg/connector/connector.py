@@ -1,0 +1,109 @@
+"""DisaggConnector: the class vLLM instantiates; it only forwards to the side for its role."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
+                                                               KVConnectorRole,
+                                                               KVConnectorTransferResults)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvdisagg.config import parse_config
+from kvdisagg.connector.metadata import DisaggMetadata
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+class DisaggConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        assert vllm_config.kv_transfer_config is not None
+        config = parse_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        if role == KVConnectorRole.SCHEDULER:
+            from kvdisagg.connector.scheduler import DisaggScheduler
+
+            self._scheduler: DisaggScheduler | None = DisaggScheduler(vllm_config, config)
+            self._worker = None
+        else:
+            from kvdisagg.connector.worker import DisaggWorker
+
+            self._scheduler = None
+            self._worker: DisaggWorker | None = DisaggWorker(vllm_config, config)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return "LBHNC"  # one contiguous range per (layer, block)
+
+    # ---- scheduler side ----
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> DisaggMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta()
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        assert self._scheduler is not None
+        self._scheduler.set_handshake(metadata)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        self.set_xfer_handshake_metadata_pp_aware({(0, tp): m for tp, m in metadata.items()})
+
+    # ---- worker side ----
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> Any:
+        return self._worker.handshake() if self._worker else None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        # Async loads arrive with attn_metadata None: unlike ExampleConnector, never skip them.
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, DisaggMetadata)
+        self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are asynchronous and complete before the request is scheduled."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        """Pull mode: the KV stays in prefill's blocks until decode reads it."""
+
+    def wait_for_save(self) -> None:
+        """Nothing to flush in pull mode."""
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        sending, recving, failed = self._worker.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending, results.finished_recving
+
+    def shutdown(self) -> None:
+        if self._worker:
+            self._worker.shutdown()

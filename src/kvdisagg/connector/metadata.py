@@ -1,0 +1,49 @@
+"""Plain data the scheduler side hands to the worker side each step (pickled by vLLM)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorHandshakeMetadata,
+                                                               KVConnectorMetadata)
+
+
+@dataclass(frozen=True)
+class SendSpec:
+    """Prefill: serve these blocks of request ``req_id`` to a holder of ``token``."""
+
+    req_id: str
+    token: str
+    block_ids: tuple[int, ...]
+    lease_s: float
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Decode: pull ``remote_block_ids`` into ``local_block_ids``; a non-empty ``error`` means
+    the handoff was unusable, and the worker reports the load failed at once."""
+
+    req_id: str
+    host: str = ""
+    ports: tuple[int, ...] = ()
+    handoff_id: str = ""
+    token: str = ""
+    kv_layout: str = ""
+    remote_block_ids: tuple[int, ...] = ()
+    local_block_ids: tuple[int, ...] = ()
+    release_only: bool = False
+    error: str = ""
+
+
+@dataclass
+class DisaggMetadata(KVConnectorMetadata):
+    sends: list[SendSpec] = field(default_factory=list)
+    loads: list[LoadSpec] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class WorkerHandshake(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler once at start-up: where its side channel listens, its layout."""
+
+    port: int
+    kv_layout: str

@@ -1,0 +1,139 @@
+"""Wire messages: the handoff's kv_transfer_params and the side channel between workers.
+
+kv_transfer_params keep vLLM NixlConnector's field names so any proxy built for it works; our own
+fields live under one key, ``kvdisagg``, which proxies pass through untouched.
+
+PROTOCOL_VERSION history:
+  1: Hello / Read / Done over length-prefixed msgpack frames.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Annotated
+
+import msgspec
+
+from kvdisagg.errors import TransferFailed
+
+PROTOCOL_VERSION = 1
+NAMESPACE = "kvdisagg"
+MAX_FRAME_BYTES = 1 << 20  # control frames only; KV bytes travel outside frames
+
+BlockId = Annotated[int, msgspec.Meta(ge=0)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+
+
+class HandoffExtras(msgspec.Struct, frozen=True, kw_only=True):
+    """Our fields of kv_transfer_params (under ``kvdisagg``)."""
+
+    version: int = PROTOCOL_VERSION
+    transport: str
+    kv_layout: str
+    token: str
+    lease_expires: float
+    ports: list[Port]
+    """Side-channel port per prefill TP rank."""
+
+
+class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True):
+    """kv_transfer_params that prefill returns and decode receives (unknown keys ignored)."""
+
+    do_remote_prefill: bool
+    remote_engine_id: str
+    remote_request_id: str
+    remote_block_ids: list[BlockId]
+    remote_host: str
+    remote_port: Port
+    remote_num_tokens: Annotated[int, msgspec.Meta(ge=0)]
+    tp_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    kvdisagg: HandoffExtras
+
+
+def handoff_params(
+    *, engine_id: str, request_id: str, block_ids: list[int], host: str, ports: list[int],
+    num_tokens: int, transport: str, kv_layout: str, token: str, lease_expires: float,
+) -> dict[str, object]:
+    """The dict prefill returns from request_finished (becomes the response's kv_transfer_params)."""
+    params = RemotePrefill(
+        do_remote_prefill=True, remote_engine_id=engine_id, remote_request_id=request_id,
+        remote_block_ids=list(block_ids), remote_host=host, remote_port=ports[0],
+        remote_num_tokens=num_tokens, tp_size=len(ports),
+        kvdisagg=HandoffExtras(transport=transport, kv_layout=kv_layout, token=token,
+                               lease_expires=lease_expires, ports=list(ports)),
+    )
+    out = msgspec.to_builtins(params)
+    out["do_remote_decode"] = False
+    return out
+
+
+# ---- side channel ---------------------------------------------------------------------------
+
+
+class Hello(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """Decode -> prefill, first on a connection: refused unless layouts match."""
+
+    version: int = PROTOCOL_VERSION
+    kv_layout: str
+
+
+class Read(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """Decode -> prefill: send these blocks of this handoff (a subset of what it holds)."""
+
+    handoff_id: str
+    token: str
+    block_ids: list[BlockId]
+
+
+class Done(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """Decode -> prefill: the handoff's blocks may be freed."""
+
+    handoff_id: str
+    token: str
+
+
+class Reply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """Prefill -> decode. For an accepted Read, ``nbytes`` of KV follow the frame."""
+
+    ok: bool
+    error: str = ""
+    kv_layout: str = ""
+    nbytes: int = 0
+
+
+Message = Hello | Read | Done | Reply
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+_header = struct.Struct("!I")
+
+
+def send_frame(sock: socket.socket, msg: Message) -> None:
+    body = _encoder.encode(msg)
+    sock.sendall(_header.pack(len(body)) + body)
+
+
+def recv_frame(sock: socket.socket) -> Message:
+    """Read one frame; raise TransferFailed on a closed peer, an oversized or malformed frame."""
+    (size,) = _header.unpack(recv_exact(sock, _header.size))
+    if size > MAX_FRAME_BYTES:
+        raise TransferFailed(f"side-channel frame of {size} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        return _decoder.decode(recv_exact(sock, size))
+    except msgspec.DecodeError as exc:
+        raise TransferFailed(f"malformed side-channel frame: {exc}") from None
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_into_exact(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise TransferFailed("peer closed the connection mid-message")
+        got += k

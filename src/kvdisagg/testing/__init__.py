@@ -1,0 +1,1 @@
+"""Test helpers: a tiny offline model and real vLLM server management."""

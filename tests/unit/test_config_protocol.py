@@ -1,0 +1,68 @@
+"""Config validation, protocol structs and layout math: pure logic, no vLLM processes."""
+
+import msgspec
+import pytest
+
+from kvdisagg.config import ConnectorConfig, parse_config
+from kvdisagg.connector.layout import runs
+from kvdisagg.errors import ConfigError
+from kvdisagg.protocol import Hello, Read, RemotePrefill, handoff_params
+
+
+def test_defaults():
+    assert parse_config(None) == ConnectorConfig()
+    assert parse_config({}).transport == "tcp"
+
+
+@pytest.mark.parametrize("extra, key", [
+    ({"transprot": "tcp"}, "transprot"),
+    ({"side_channel_port": 70000}, "side_channel_port"),
+    ({"lease_seconds": 0}, "lease_seconds"),
+    ({"transfer_timeout_seconds": "soon"}, "transfer_timeout_seconds"),
+])
+def test_bad_key_is_named(extra, key):
+    with pytest.raises(ConfigError, match=key):
+        parse_config(extra)
+
+
+def test_handoff_params_round_trip():
+    params = handoff_params(engine_id="e", request_id="r", block_ids=[3, 4], host="127.0.0.1",
+                            ports=[5600, 5601], num_tokens=200, transport="tcp", kv_layout="ab",
+                            token="t", lease_expires=1.5)
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["remote_port"] == 5600 and params["tp_size"] == 2
+    # Fields a proxy or vLLM adds are ignored; ours stay under one namespace.
+    params["remote_prefill_cached_tokens"] = 0
+    p = msgspec.convert(params, RemotePrefill)
+    assert p.kvdisagg.ports == [5600, 5601] and p.remote_block_ids == [3, 4]
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda p: p.pop("remote_block_ids"),
+    lambda p: p.__setitem__("remote_block_ids", [-1]),
+    lambda p: p.__setitem__("remote_port", "x"),
+    lambda p: p.pop("kvdisagg"),
+])
+def test_bad_handoff_params_refused(mutate):
+    params = handoff_params(engine_id="e", request_id="r", block_ids=[1], host="h", ports=[1],
+                            num_tokens=1, transport="tcp", kv_layout="x", token="t",
+                            lease_expires=0)
+    mutate(params)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert(params, RemotePrefill)
+
+
+def test_side_channel_messages_are_tagged():
+    dec = msgspec.msgpack.Decoder(Hello | Read)
+    assert dec.decode(msgspec.msgpack.encode(Read(handoff_id="a", token="b", block_ids=[1]))) \
+        == Read(handoff_id="a", token="b", block_ids=[1])
+
+
+@pytest.mark.parametrize("ids, expected", [
+    ([], []),
+    ([7], [(7, 1)]),
+    ([3, 4, 5, 9, 10, 2], [(3, 3), (9, 2), (2, 1)]),
+    ([5, 4, 3], [(5, 1), (4, 1), (3, 1)]),
+])
+def test_runs(ids, expected):
+    assert list(runs(ids)) == expected
