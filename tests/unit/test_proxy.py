@@ -27,7 +27,7 @@ def _prefill_app(seen: list[dict[str, Any]], name: str = "p0", status: int = 200
                  with_kv: bool = True) -> web.Application:
     async def handler(request: web.Request) -> web.Response:
         body = await request.json()
-        seen.append({"name": name, "body": body, "headers": dict(request.headers)})
+        seen.append({"name": name, "body": body, "headers": request.headers.copy()})
         if status != 200:
             return web.json_response({"error": "boom"}, status=status)
         resp: dict[str, Any] = {"id": "cmpl-p", "choices": [{"text": "x"}]}
@@ -48,7 +48,7 @@ CHUNKS = [b'data: {"choices":[{"text":"a"}]}\n\n', b'data: {"choices":[{"text":"
 def _decode_app(seen: list[dict[str, Any]]) -> web.Application:
     async def handler(request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        seen.append({"body": body, "headers": dict(request.headers)})
+        seen.append({"body": body, "headers": request.headers.copy()})
         if body.get("stream"):
             resp = web.StreamResponse()
             resp.content_type = "text/event-stream"
@@ -221,3 +221,28 @@ def test_bad_json_health_models() -> None:
     asyncio.run(_with_proxy([_prefill_app([])], [_decode_app([])], fn))
 
 
+
+
+def test_decode_fails_mid_stream() -> None:
+    async def broken(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Length": "1000"})
+        resp.content_type = "text/event-stream"
+        await resp.prepare(request)
+        await resp.write(CHUNKS[0])
+        await asyncio.sleep(0.05)
+        assert request.transport is not None
+        request.transport.close()
+        return resp
+
+    dapp = web.Application()
+    dapp.router.add_post("/v1/completions", broken)
+
+    async def fn(client: TestClient) -> None:
+        r = await client.post("/v1/completions", json={"prompt": "hi", "stream": True})
+        assert r.status == 200
+        data = await r.read()
+        assert data.startswith(CHUNKS[0])
+        assert b'data: {"error"' in data and data.endswith(b"data: [DONE]\n\n")
+
+    asyncio.run(_with_proxy([_prefill_app([])], [dapp], fn))

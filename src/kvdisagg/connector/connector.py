@@ -104,6 +104,22 @@ class DisaggConnector(KVConnectorBase_V1):
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending, results.finished_recving
 
+    def get_kv_connector_stats(self) -> Any:
+        return self._worker.take_stats() if self._worker else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        from kvdisagg.connector.stats import DisaggStats
+
+        return DisaggStats(data=data) if data is not None else DisaggStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        from kvdisagg.connector.stats import DisaggPromMetrics
+
+        return DisaggPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         if self._worker:
             self._worker.shutdown()

@@ -28,6 +28,7 @@ class LoadSpec:
     ports: tuple[int, ...] = ()
     handoff_id: str = ""
     token: str = ""
+    transport: str = ""
     kv_layout: str = ""
     remote_block_ids: tuple[int, ...] = ()
     local_block_ids: tuple[int, ...] = ()
@@ -47,3 +48,4 @@ class WorkerHandshake(KVConnectorHandshakeMetadata):
 
     port: int
     kv_layout: str
+    transport: str

@@ -37,6 +37,7 @@ class DisaggScheduler:
         self.is_producer, self.is_consumer = kv.is_kv_producer, kv.is_kv_consumer
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.ports: list[int] = []
+        self.transport_name = ""  # the wire name the workers' transport reports
         self.kv_layout = ""
         self._pulled: set[str] = set()  # decode requests whose load was already planned
         self._sends: list[SendSpec] = []
@@ -48,6 +49,7 @@ class DisaggScheduler:
                        if pp == 0 and isinstance(m, WorkerHandshake))
         self.ports = [m.port for _, m in ranks]
         self.kv_layout = ranks[0][1].kv_layout if ranks else ""
+        self.transport_name = ranks[0][1].transport if ranks else ""
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
@@ -75,9 +77,6 @@ class DisaggScheduler:
             p = msgspec.convert(raw, RemotePrefill)
         except msgspec.ValidationError as exc:
             return LoadSpec(req_id=req_id, error=f"invalid kv_transfer_params: {exc}")
-        if p.kvdisagg.transport != self.config.transport:
-            return LoadSpec(req_id=req_id, error=f"prefill uses transport "
-                            f"{p.kvdisagg.transport!r}, decode {self.config.transport!r}")
         if len(p.kvdisagg.ports) != self.tp_size:
             return LoadSpec(req_id=req_id, error=f"prefill TP {len(p.kvdisagg.ports)} != "
                             f"decode TP {self.tp_size}")
@@ -88,6 +87,7 @@ class DisaggScheduler:
         remote = p.remote_block_ids[len(p.remote_block_ids) - len(local):]
         return LoadSpec(req_id=req_id, host=p.remote_host, ports=tuple(p.kvdisagg.ports),
                         handoff_id=p.remote_request_id, token=p.kvdisagg.token,
+                        transport=p.kvdisagg.transport,
                         kv_layout=p.kvdisagg.kv_layout, remote_block_ids=tuple(remote),
                         local_block_ids=tuple(local), release_only=not local)
 
@@ -112,6 +112,6 @@ class DisaggScheduler:
         return True, handoff_params(
             engine_id=self.engine_id, request_id=request.request_id, block_ids=block_ids,
             host=self.config.side_channel_host, ports=self.ports,
-            num_tokens=request.num_computed_tokens, transport=self.config.transport,
+            num_tokens=request.num_computed_tokens, transport=self.transport_name,
             kv_layout=self.kv_layout, token=token,
             lease_expires=time.time() + self.config.lease_seconds)

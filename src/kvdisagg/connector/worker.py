@@ -13,12 +13,12 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvdisagg.config import ConnectorConfig
 from kvdisagg.connector.layout import LayerRegion, layer_regions, layout_fingerprint
 from kvdisagg.connector.metadata import DisaggMetadata, LoadSpec, WorkerHandshake
+from kvdisagg.connector.stats import DisaggStats
 from kvdisagg.connector.side_channel import HandoffTable, SideChannelServer, pull
 from kvdisagg.errors import KvDisaggError
 from kvdisagg.transport import load_transport
@@ -27,14 +27,6 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class TransferStats:
-    pulls: int = 0
-    failures: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
 
 
 class DisaggWorker:
@@ -51,7 +43,7 @@ class DisaggWorker:
         self.regions: list[LayerRegion] = []
         self.kv_layout = ""
         self.server: SideChannelServer | None = None
-        self.stats = TransferStats()
+        self.stats = DisaggStats()
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvdisagg-pull")
         self._inflight: dict[str, Future[int]] = {}
         self._released_unseen: set[str] = set()  # freed on our side, not yet finished in vLLM
@@ -77,7 +69,7 @@ class DisaggWorker:
 
     def handshake(self) -> WorkerHandshake:
         return WorkerHandshake(port=self.server.port if self.server else 0,
-                               kv_layout=self.kv_layout)
+                               kv_layout=self.kv_layout, transport=self.transport.name)
 
     def start_load_kv(self, meta: DisaggMetadata) -> None:
         for send in meta.sends:
@@ -90,6 +82,9 @@ class DisaggWorker:
     def _pull(self, load: LoadSpec) -> int:
         if load.error:
             raise KvDisaggError(load.error)
+        if load.transport != self.transport.name:
+            raise KvDisaggError(f"prefill uses transport {load.transport!r}, this decode "
+                                f"instance {self.transport.name!r}")
         start = time.perf_counter()
         try:
             nbytes = pull(host=load.host, port=load.ports[self.tp_rank],
@@ -100,13 +95,22 @@ class DisaggWorker:
                           timeout_s=self.config.transfer_timeout_seconds)
         except Exception:
             with self._lock:
-                self.stats.failures += 1
+                self.stats.add(pull_failures=1)
             raise
+        elapsed = time.perf_counter() - start
         with self._lock:
-            self.stats.pulls += 1
-            self.stats.bytes += nbytes
-            self.stats.seconds += time.perf_counter() - start
+            self.stats.add(pulls=1, pulled_bytes=nbytes, pull_seconds=elapsed,
+                           pulled_blocks=len(load.local_block_ids))
+        logger.info("kvdisagg: pulled %d blocks (%d bytes) for %s in %.1f ms",
+                    len(load.local_block_ids), nbytes, load.req_id, elapsed * 1e3)
         return nbytes
+
+    def take_stats(self) -> DisaggStats | None:
+        with self._lock:
+            if self.stats.is_empty():
+                return None
+            out, self.stats = self.stats, DisaggStats()
+            return out
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving). Never blocks."""

@@ -29,7 +29,7 @@ TINY_CONFIG = dict(
     rms_norm_eps=1e-5,
     rope_theta=10000.0,
     tie_word_embeddings=False,
-    torch_dtype="float32",
+    dtype="float32",
 )
 
 BOS = "<s>"
@@ -111,14 +111,12 @@ def _build_model(out: Path, seed: int, bos_id: int, eos_id: int, pad_id: int) ->
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg_kwargs = dict(TINY_CONFIG)
-    dtype = cfg_kwargs.pop("torch_dtype")
     config = LlamaConfig(
         **cfg_kwargs,
         bos_token_id=bos_id,
         eos_token_id=eos_id,
         pad_token_id=pad_id,
     )
-    config.torch_dtype = dtype
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
     model.eval()
@@ -149,6 +147,9 @@ def ensure_tiny_model(cache_dir: Path | None = None, seed: int = 0) -> Path:
 
         t = PreTrainedTokenizerFast.from_pretrained(str(tmp))
         _build_model(tmp, seed, t.bos_token_id, t.eos_token_id, t.pad_token_id)
+        os.chmod(tmp, 0o755)
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
         (tmp / DONE_MARKER).write_text(f"seed={seed}\n")
         if target.exists():
             # Incomplete previous attempt (no DONE marker): replace it.

@@ -1,0 +1,99 @@
+"""A 1P1D fleet of real vLLM processes plus the proxy, shared by the demo, tests and benchmarks.
+
+Each instance gets its own core (``VLLM_CPU_OMP_THREADS_BIND``), its own process group, and a
+log file; all start in parallel, since start-up dominates on small machines.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from kvdisagg.testing.servers import VllmServer, free_port
+
+
+def kv_transfer_args(role: str, extra: dict[str, Any] | None = None,
+                     failure_policy: str = "fail") -> list[str]:
+    config = {"kv_connector": "DisaggConnector", "kv_role": role,
+              "kv_load_failure_policy": failure_policy,
+              "kv_connector_extra_config": extra or {}}
+    return ["--kv-transfer-config", json.dumps(config)]
+
+
+class Fleet:
+    """Prefill + decode (+ an optional plain reference instance) + ``kvdisagg proxy``."""
+
+    def __init__(self, model: Path, log_dir: Path, *, reference: bool = False,
+                 prefill_extra: dict[str, Any] | None = None,
+                 decode_extra: dict[str, Any] | None = None,
+                 decode_failure_policy: str = "fail", env: dict[str, str] | None = None) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir = log_dir
+        self.prefill = VllmServer(model, log_path=log_dir / "prefill.log", omp_threads_bind="0",
+                                  extra_args=kv_transfer_args("kv_producer", prefill_extra),
+                                  env=env)
+        self.decode = VllmServer(model, log_path=log_dir / "decode.log",
+                                 omp_threads_bind="1", env=env,
+                                 extra_args=kv_transfer_args("kv_consumer", decode_extra,
+                                                             decode_failure_policy))
+        self.reference = (VllmServer(model, log_path=log_dir / "reference.log",
+                                     omp_threads_bind="nobind", env=env)
+                          if reference else None)
+        self.proxy_port = free_port()
+        self.proxy: subprocess.Popen[bytes] | None = None
+
+    @property
+    def servers(self) -> list[VllmServer]:
+        return [s for s in (self.prefill, self.decode, self.reference) if s is not None]
+
+    @property
+    def proxy_url(self) -> str:
+        return f"http://127.0.0.1:{self.proxy_port}"
+
+    def start(self, timeout_s: float = 900.0) -> Fleet:
+        for server in self.servers:
+            server.start()
+        log = open(self.log_dir / "proxy.log", "wb")
+        self.proxy = subprocess.Popen(
+            [sys.executable, "-m", "kvdisagg.cli", "proxy", "--prefill", self.prefill.base_url,
+             "--decode", self.decode.base_url, "--host", "127.0.0.1",
+             "--port", str(self.proxy_port)], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            for server in self.servers:
+                server.wait_ready(timeout_s)
+            self._wait_proxy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_proxy(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(self.proxy_url + "/health", timeout=2).read()
+                return
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError(f"proxy did not come up; see {self.log_dir / 'proxy.log'}")
+
+    def stop(self) -> None:
+        if self.proxy and self.proxy.poll() is None:
+            self.proxy.terminate()
+            try:
+                self.proxy.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proxy.kill()
+        for server in self.servers:
+            server.stop()
+
+    def __enter__(self) -> Fleet:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

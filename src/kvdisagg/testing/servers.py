@@ -1,0 +1,224 @@
+"""Run real vLLM OpenAI-compatible servers for tests and demos."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Mapping, Sequence
+
+__all__ = ["VllmServer", "free_port", "metric_value", "VllmServerError"]
+
+
+class VllmServerError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    """Return a currently free TCP port on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, n_bytes: int = 6000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - n_bytes))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return "<no log>"
+
+
+class VllmServer:
+    """A vLLM OpenAI API server in its own process group."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        port: int | None = None,
+        *,
+        extra_args: Sequence[str] = (),
+        log_path: str | Path | None = None,
+        omp_threads_bind: str = "nobind",
+        kvcache_space_gib: int = 1,
+        env: Mapping[str, str] | None = None,
+        served_model_name: str = "tiny",
+    ) -> None:
+        self.model = str(model)
+        self.port = port if port is not None else free_port()
+        self.host = "127.0.0.1"
+        self.extra_args = list(extra_args)
+        self.log_path = Path(log_path) if log_path else Path(
+            f"/tmp/kvdisagg-vllm-{self.port}.log"
+        )
+        self.omp_threads_bind = omp_threads_bind
+        self.kvcache_space_gib = kvcache_space_gib
+        self.extra_env = dict(env or {})
+        self.served_model_name = served_model_name
+        self.proc: subprocess.Popen | None = None
+        self._log_file = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model,
+            "--host", self.host,
+            "--port", str(self.port),
+            "--dtype", "float32",
+            "--max-model-len", "2048",
+            "--enforce-eager",
+            "--block-size", "128",
+            "--max-num-seqs", "16",
+            "--served-model-name", self.served_model_name,
+        ] + self.extra_args
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            VLLM_CPU_KVCACHE_SPACE=str(self.kvcache_space_gib),
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            VLLM_CPU_OMP_THREADS_BIND=self.omp_threads_bind,
+        )
+        env.update(self.extra_env)
+        return env
+
+    def start(self) -> "VllmServer":
+        if self.proc is not None:
+            raise VllmServerError("server already started")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            self.command(),
+            env=self.environment(),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        return self
+
+    def log_tail(self, n_bytes: int = 6000) -> str:
+        return _tail(self.log_path, n_bytes)
+
+    def wait_ready(self, timeout_s: float = 300.0) -> float:
+        """Poll GET /health until 200; return seconds waited."""
+        if self.proc is None:
+            raise VllmServerError("server not started")
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        while True:
+            rc = self.proc.poll()
+            if rc is not None:
+                raise VllmServerError(
+                    f"vLLM server exited with code {rc} before becoming ready;"
+                    f" log tail ({self.log_path}):\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return time.monotonic() - t0
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise VllmServerError(
+                    f"vLLM server not ready after {timeout_s:.0f}s;"
+                    f" log tail ({self.log_path}):\n{self.log_tail()}"
+                )
+            time.sleep(0.5)
+
+    def _signal_group(self, sig: int) -> None:
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the process group, then SIGKILL it after ``grace_s``."""
+        if self.proc is None:
+            return
+        self._signal_group(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        # Kill anything left in the group (workers may outlive the leader).
+        self._signal_group(signal.SIGKILL)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        # Give the group's orphaned children a moment to be reaped.
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except (ProcessLookupError, PermissionError):
+                break
+            time.sleep(0.1)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        self.proc = None
+
+    def __enter__(self) -> "VllmServer":
+        if self.proc is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def metric_value(base_url: str, name: str, timeout_s: float = 5.0) -> float:
+    """Sum all samples of Prometheus metric ``name`` from ``base_url/metrics``.
+
+    Matches ``name`` exactly (with or without labels); a counter's ``_total``
+    form is also accepted when ``name`` itself has no samples.
+    """
+    with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=timeout_s) as r:
+        text = r.read().decode("utf-8", "replace")
+
+    def _sum(metric: str) -> tuple[float, int]:
+        total, count = 0.0, 0
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            if "{" in line:
+                mname = line.split("{", 1)[0]
+                rest = line.rsplit("}", 1)[1]
+            else:
+                parts = line.split(None, 1)
+                if len(parts) < 2:
+                    continue
+                mname, rest = parts
+            if mname != metric:
+                continue
+            fields = rest.split()
+            if not fields:
+                continue
+            try:
+                total += float(fields[0])
+                count += 1
+            except ValueError:
+                continue
+        return total, count
+
+    total, count = _sum(name)
+    if count == 0 and not name.endswith("_total"):
+        total, count = _sum(name + "_total")
+    return total

