@@ -37,8 +37,9 @@ def prefill_proc(port_q: mp.Queue, raw_port_q: mp.Queue) -> None:
     for t in caches.values():
         t.uniform_()
     table = HandoffTable()
-    # Every block readable by handoff "bench" for the benchmark's duration.
-    table.add("bench", "tok", range(NUM_BLOCKS), lease_s=3600)
+    # A pull releases its handoff (Done), so each pull gets its own: bench-0, bench-1, ...
+    for k in range(1000):
+        table.add(f"bench-{k}", "tok", range(NUM_BLOCKS), lease_s=3600)
     server = SideChannelServer("127.0.0.1", 0, kv_layout="bench", regions=layer_regions(caches),
                                transport=TcpTransport(), table=table, timeout_s=60)
     port_q.put(server.port)
@@ -78,6 +79,7 @@ def main() -> None:
     raw = socket.create_connection(("127.0.0.1", raw_port))
     raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sink = bytearray(max(SIZES))
+    handoff = -1
     print(f"{'size':>9} {'blocks':>6} {'tcp GB/s':>9} {'raw GB/s':>9} {'ratio':>6}")
     for size in SIZES:
         nblocks = max(1, size // (PAGE * LAYERS))
@@ -88,8 +90,9 @@ def main() -> None:
         local = list(range(nblocks))
         ours, base = [], []
         for _ in range(args.repeats + 1):  # first round warms up both paths
+            handoff += 1
             t = time.perf_counter()
-            pull(host="127.0.0.1", port=port, handoff_id="bench", token="tok",
+            pull(host="127.0.0.1", port=port, handoff_id=f"bench-{handoff}", token="tok",
                  kv_layout="bench", remote_block_ids=remote, local_regions=regions,
                  local_block_ids=local, transport=TcpTransport(), timeout_s=60)
             ours.append(time.perf_counter() - t)
