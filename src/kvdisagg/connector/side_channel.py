@@ -115,7 +115,13 @@ class SideChannelServer:
                          daemon=True).start()
 
     def close(self) -> None:
+        # shutdown() wakes the thread blocked in accept(); close() alone leaves the
+        # listening socket alive (and accepting) until that call returns.
         self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._sock.close()
 
     def _accept_loop(self) -> None:
