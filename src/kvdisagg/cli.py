@@ -1,44 +1,32 @@
-"""``kvdisagg``: proxy | demo | tiny-model."""
+"""``kvdisagg``: one subcommand per capability, each defined in its own module.
+
+A command module exposes ``HELP``, ``add_arguments(parser)`` and ``run(args) -> int`` and keeps
+its heavy imports inside ``run`` so that ``kvdisagg --help`` stays fast.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+COMMANDS: dict[str, str] = {
+    "proxy": "kvdisagg.proxy.cli",
+    "demo": "kvdisagg.demo",
+    "tiny-model": "kvdisagg.testing.tiny_model",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvdisagg", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kvdisagg", description="Prefill/decode disaggregated serving for vLLM.")
     sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("proxy", help="OpenAI-compatible P/D handoff proxy")
-    p.add_argument("--prefill", nargs="+", required=True, metavar="URL")
-    p.add_argument("--decode", nargs="+", required=True, metavar="URL")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--timeout", type=float, default=60.0,
-                   help="bound on each upstream call, seconds (default 60)")
-
-    d = sub.add_parser("demo", help="P/D serving on a generated tiny model, with a report")
-    d.add_argument("--requests", type=int, default=8)
-    d.add_argument("--log-dir", default="out/demo")
-
-    t = sub.add_parser("tiny-model", help="generate (or find cached) the tiny test model")
-    t.add_argument("--seed", type=int, default=0)
-
+    modules = {}
+    for name, module_path in COMMANDS.items():
+        module = importlib.import_module(module_path)
+        modules[name] = module
+        module.add_arguments(sub.add_parser(name, help=module.HELP, description=module.HELP))
     args = parser.parse_args(argv)
-    if args.command == "proxy":
-        from kvdisagg.proxy.app import run_proxy
-
-        run_proxy(args.prefill, args.decode, args.host, args.port, args.timeout)
-    elif args.command == "demo":
-        from kvdisagg.demo import run_demo
-
-        return run_demo(args.requests, args.log_dir)
-    elif args.command == "tiny-model":
-        from kvdisagg.testing.tiny_model import ensure_tiny_model
-
-        print(ensure_tiny_model(seed=args.seed))
-    return 0
+    return modules[args.command].run(args) or 0
 
 
 if __name__ == "__main__":

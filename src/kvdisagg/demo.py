@@ -6,6 +6,7 @@ proxy, streams a short load through the proxy and compares every answer with the
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import sys
@@ -91,3 +92,15 @@ def run_demo(num_requests: int = 8, log_dir: str = "out/demo") -> int:
 
 if __name__ == "__main__":
     sys.exit(run_demo())
+
+
+HELP = "P/D serving on a generated tiny model, with a report"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--log-dir", default="out/demo")
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_demo(args.requests, args.log_dir)

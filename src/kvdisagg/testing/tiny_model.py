@@ -7,6 +7,7 @@ is identical on every machine for a given seed.
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import shutil
@@ -175,3 +176,15 @@ if __name__ == "__main__":  # pragma: no cover
     import sys
 
     print(ensure_tiny_model(Path(sys.argv[1]) if len(sys.argv) > 1 else None))
+
+
+HELP = "generate (or find cached) the tiny test model and print its path"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    print(ensure_tiny_model(seed=args.seed))
+    return 0
