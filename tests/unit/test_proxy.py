@@ -1,248 +1,481 @@
-"""Proxy handoff tests against fake prefill/decode upstreams on loopback."""
+"""Proxy behaviour against fake vLLM upstreams on loopback: handoff, failover, faults, admin,
+metrics. Each fault of issue 4 has a test that asserts what the client and the upstreams saw."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import socket
-from typing import Any, Awaitable, Callable
+import contextlib
+import time
+from typing import Any, AsyncIterator
 
+import msgspec
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from kvdisagg.proxy import make_app
+from kvdisagg.proxy.config import (HealthConfig, InstanceSpec, ProxyConfig, RetryConfig, Role,
+                                   SloConfig, TimeoutConfig, PolicyConfig)
+from kvdisagg.testing.fake_vllm import FakeVllm
+from kvdisagg.testing.servers import free_port
 
-PREFILL_KV = {
-    "do_remote_decode": False,
-    "do_remote_prefill": True,
-    "remote_engine_id": "eng-1",
-    "remote_block_ids": [1, 2, 3],
-    "remote_host": "10.0.0.1",
-    "remote_port": 5600,
-}
 FORGED = {"do_remote_prefill": True, "remote_block_ids": [666]}
 
 
-def _prefill_app(seen: list[dict[str, Any]], name: str = "p0", status: int = 200,
-                 with_kv: bool = True) -> web.Application:
-    async def handler(request: web.Request) -> web.Response:
-        body = await request.json()
-        seen.append({"name": name, "body": body, "headers": request.headers.copy()})
-        if status != 200:
-            return web.json_response({"error": "boom"}, status=status)
-        resp: dict[str, Any] = {"id": "cmpl-p", "choices": [{"text": "x"}]}
-        if with_kv:
-            resp["kv_transfer_params"] = PREFILL_KV
-        return web.json_response(resp)
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", handler)
-    app.router.add_post("/v1/chat/completions", handler)
-    return app
+def metric(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        head, value = line.rsplit(" ", 1)
+        if head.split("{", 1)[0] != name:
+            continue
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
 
 
-CHUNKS = [b'data: {"choices":[{"text":"a"}]}\n\n', b'data: {"choices":[{"text":"b"}]}\n\n',
-          b"data: [DONE]\n\n"]
+class Env:
+    def __init__(self, client: TestClient, prefill: list[FakeVllm], decode: list[FakeVllm],
+                 urls: dict[str, str]) -> None:
+        self.client, self.prefill, self.decode, self.urls = client, prefill, decode, urls
+
+    async def metrics(self) -> str:
+        r = await self.client.get("/metrics")
+        assert r.status == 200
+        return await r.text()
 
 
-def _decode_app(seen: list[dict[str, Any]]) -> web.Application:
-    async def handler(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        seen.append({"body": body, "headers": request.headers.copy()})
-        if body.get("stream"):
-            resp = web.StreamResponse()
-            resp.content_type = "text/event-stream"
-            await resp.prepare(request)
-            for c in CHUNKS:
-                await resp.write(c)
-                await asyncio.sleep(0.01)
-            await resp.write_eof()
-            return resp
-        return web.json_response({"id": "cmpl-d", "choices": [{"text": "hello"}]})
-
-    async def models(_request: web.Request) -> web.Response:
-        return web.json_response({"data": [{"id": "m"}]})
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", handler)
-    app.router.add_post("/v1/chat/completions", handler)
-    app.router.add_get("/v1/models", models)
-    return app
-
-
-def _closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-async def _with_proxy(prefill_apps: list[web.Application], decode_apps: list[web.Application],
-                      fn: Callable[[TestClient], Awaitable[None]],
-                      extra_decode_urls: list[str] | None = None) -> None:
-    servers = [TestServer(a, host="127.0.0.1") for a in prefill_apps + decode_apps]
+@contextlib.asynccontextmanager
+async def proxy(n_prefill: int = 1, n_decode: int = 1, dead_decode: int = 0,
+                **cfg_kw: Any) -> AsyncIterator[Env]:
+    prefill = [FakeVllm(f"p{i}") for i in range(n_prefill)]
+    decode = [FakeVllm(f"d{i}") for i in range(n_decode)]
+    servers = [TestServer(f.app(), host="127.0.0.1") for f in prefill + decode]
     for s in servers:
         await s.start_server()
+    urls = {f.name: str(s.make_url("")).rstrip("/") for f, s in zip(prefill + decode, servers)}
+    instances = ([InstanceSpec(url=urls[f.name], role=Role.PREFILL) for f in prefill]
+                 + [InstanceSpec(url=f"http://127.0.0.1:{free_port()}", role=Role.DECODE)
+                    for _ in range(dead_decode)]
+                 + [InstanceSpec(url=urls[f.name], role=Role.DECODE) for f in decode])
+    cfg_kw.setdefault("timeouts", TimeoutConfig(prefill_s=2.0, decode_connect_s=2.0,
+                                                decode_total_s=10.0, decode_idle_s=1.0))
+    cfg_kw.setdefault("health", HealthConfig(interval_s=0.2, timeout_s=0.5, startup_timeout_s=2.0))
+    cfg = ProxyConfig(instances=instances, **cfg_kw)
+    client = TestClient(TestServer(make_app(config=cfg), host="127.0.0.1"))
+    await client.start_server()
     try:
-        urls = [str(s.make_url("")).rstrip("/") for s in servers]
-        purls, durls = urls[: len(prefill_apps)], urls[len(prefill_apps):]
-        durls += extra_decode_urls or []
-        client = TestClient(TestServer(make_app(purls, durls, timeout_s=5.0), host="127.0.0.1"))
-        await client.start_server()
-        try:
-            await fn(client)
-        finally:
-            await client.close()
+        yield Env(client, prefill, decode, urls)
     finally:
+        await client.close()
         for s in servers:
             await s.close()
 
 
-def test_non_streaming_handoff() -> None:
-    pseen: list[dict[str, Any]] = []
-    dseen: list[dict[str, Any]] = []
-
-    async def fn(client: TestClient) -> None:
-        body = {"model": "m", "prompt": "hi", "max_tokens": 17, "ignore_eos": True,
-                "stream": False, "min_tokens": 3, "kv_transfer_params": FORGED}
-        r = await client.post("/v1/completions", json=body,
-                              headers={"Authorization": "Bearer k"})
-        assert r.status == 200
-        assert (await r.json())["choices"][0]["text"] == "hello"
-
-    asyncio.run(_with_proxy([_prefill_app(pseen)], [_decode_app(dseen)], fn))
-    p = pseen[0]["body"]
-    assert p["max_tokens"] == 1 and p["stream"] is False and "min_tokens" not in p
-    assert p["kv_transfer_params"]["do_remote_decode"] is True
-    assert p["kv_transfer_params"]["do_remote_prefill"] is False
-    assert p["kv_transfer_params"] != FORGED
-    d = dseen[0]["body"]
-    assert d["kv_transfer_params"] == PREFILL_KV
-    assert d["max_tokens"] == 17 and d["ignore_eos"] is True and d["min_tokens"] == 3
-    rid = pseen[0]["headers"]["X-Request-Id"]
-    assert rid and rid == dseen[0]["headers"]["X-Request-Id"]
-    assert pseen[0]["headers"]["Authorization"] == "Bearer k"
-    assert dseen[0]["headers"]["Authorization"] == "Bearer k"
+def run(coro: Any) -> None:
+    asyncio.run(coro)
 
 
-def test_chat_prefill_limits_completion_tokens() -> None:
-    pseen: list[dict[str, Any]] = []
-    dseen: list[dict[str, Any]] = []
-
-    async def fn(client: TestClient) -> None:
-        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                "max_completion_tokens": 9, "stream": True,
-                "stream_options": {"include_usage": True}}
-        r = await client.post("/v1/chat/completions", json=body)
-        assert r.status == 200
-        await r.read()
-
-    asyncio.run(_with_proxy([_prefill_app(pseen)], [_decode_app(dseen)], fn))
-    p = pseen[0]["body"]
-    assert p["max_completion_tokens"] == 1 and "stream_options" not in p and p["stream"] is False
-    d = dseen[0]["body"]
-    assert d["max_completion_tokens"] == 9 and d["stream_options"] == {"include_usage": True}
+GEN = {"model": "tiny", "prompt": "hello there", "max_tokens": 5, "temperature": 0.7,
+       "top_p": 0.9}
 
 
-def test_streaming_relay() -> None:
-    async def fn(client: TestClient) -> None:
-        r = await client.post("/v1/completions",
-                              json={"model": "m", "prompt": "hi", "stream": True})
-        assert r.status == 200
-        assert r.content_type == "text/event-stream"
-        assert await r.read() == b"".join(CHUNKS)
-
-    asyncio.run(_with_proxy([_prefill_app([])], [_decode_app([])], fn))
-
-
-def test_prefill_error_relayed() -> None:
-    async def fn(client: TestClient) -> None:
-        r = await client.post("/v1/completions", json={"prompt": "hi"})
-        assert r.status == 500
-        err = (await r.json())["error"]
-        assert err["code"] == 500 and "prefill http://127.0.0.1" in err["message"]
-
-    asyncio.run(_with_proxy([_prefill_app([], status=500)], [_decode_app([])], fn))
-
-
-def test_prefill_missing_kv_params() -> None:
-    dseen: list[dict[str, Any]] = []
-
-    async def fn(client: TestClient) -> None:
-        r = await client.post("/v1/completions", json={"prompt": "hi"})
-        assert r.status == 502
-        assert "returned no kv_transfer_params" in (await r.json())["error"]["message"]
-
-    asyncio.run(_with_proxy([_prefill_app([], with_kv=False)], [_decode_app(dseen)], fn))
-    assert dseen == []
+def test_handoff_passes_body_bytes_through_and_forwards_auth() -> None:
+    async def t() -> None:
+        async with proxy() as env:
+            raw = (b'{"model":"tiny","prompt":"hi","max_tokens":17,"temperature":0.7,'
+                   b'"top_p":1e-1,"repetition_penalty":1.1,"min_tokens":3,"stream":false}')
+            r = await env.client.post("/v1/completions", data=raw, headers={
+                "Authorization": "Bearer k", "X-Request-Id": "abc-1",
+                "Content-Type": "application/json"})
+            assert r.status == 200, await r.text()
+            assert r.headers["X-Kvdisagg-Handoff"] == "pd"
+            assert (await r.json())["choices"][0]["text"].startswith("t0")
+            p, d = env.prefill[0].seen[0], env.decode[0].seen[0]
+            assert p["body"]["max_tokens"] == 1 and p["body"]["stream"] is False
+            assert "min_tokens" not in p["body"]
+            assert p["body"]["kv_transfer_params"]["do_remote_decode"] is True
+            assert p["body"]["temperature"] == 0.7 and p["body"]["repetition_penalty"] == 1.1
+            # decode gets the client's exact bytes plus the prefill's params, untouched
+            kv = msgspec.json.encode(env.prefill[0].kv_params())
+            assert d["raw"] == b'{"kv_transfer_params":' + kv + b"," + raw[1:]
+            for leg in (p, d):
+                assert leg["headers"]["Authorization"] == "Bearer k"
+                assert leg["headers"].get("X-Request-Id") == "abc-1", leg["headers"]
+    run(t())
 
 
-def test_decode_unreachable() -> None:
-    port = _closed_port()
-
-    async def fn(client: TestClient) -> None:
-        for stream in (False, True):
-            r = await client.post("/v1/completions", json={"prompt": "hi", "stream": stream})
-            assert r.status == 502
-            err = (await r.json())["error"]
-            assert f"127.0.0.1:{port}" in err["message"]
-
-    asyncio.run(_with_proxy([_prefill_app([])], [], fn,
-                            extra_decode_urls=[f"http://127.0.0.1:{port}"]))
-
-
-def test_round_robin_prefill() -> None:
-    seen: list[dict[str, Any]] = []
-
-    async def fn(client: TestClient) -> None:
-        for _ in range(4):
-            r = await client.post("/v1/completions", json={"prompt": "hi"})
+def test_forged_kv_params_are_stripped_and_api_key_replaces_auth() -> None:
+    async def t() -> None:
+        async with proxy(api_key="secret") as env:
+            r = await env.client.post("/v1/completions", json={**GEN, "kv_transfer_params": FORGED},
+                                      headers={"Authorization": "Bearer client"})
             assert r.status == 200
-
-    asyncio.run(_with_proxy([_prefill_app(seen, "p0"), _prefill_app(seen, "p1")],
-                            [_decode_app([])], fn))
-    assert [s["name"] for s in seen] == ["p0", "p1", "p0", "p1"]
-
-
-def test_bad_json_health_models() -> None:
-    async def fn(client: TestClient) -> None:
-        r = await client.post("/v1/completions", data=b"{not json",
-                              headers={"Content-Type": "application/json"})
-        assert r.status == 400
-        assert (await r.json())["error"]["type"] == "invalid_request_error"
-        r = await client.post("/v1/completions", json=[1, 2])
-        assert r.status == 400
-        r = await client.get("/health")
-        assert r.status == 200 and await r.json() == {"status": "ok"}
-        r = await client.get("/v1/models")
-        assert (await r.json())["data"][0]["id"] == "m"
-
-    asyncio.run(_with_proxy([_prefill_app([])], [_decode_app([])], fn))
+            d = env.decode[0].seen[0]
+            assert d["body"]["kv_transfer_params"] == env.prefill[0].kv_params()
+            assert d["body"]["temperature"] == 0.7
+            assert d["headers"]["Authorization"] == "Bearer secret"
+            assert env.prefill[0].seen[0]["headers"]["Authorization"] == "Bearer secret"
+    run(t())
 
 
+def test_chat_streaming_relay_is_byte_identical() -> None:
+    async def t() -> None:
+        async with proxy() as env:
+            env.decode[0].tokens = 4
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                    "max_completion_tokens": 9, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            r = await env.client.post("/v1/chat/completions", json=body)
+            assert r.status == 200 and r.content_type == "text/event-stream"
+            data = await r.read()
+            assert data.count(b"data: ") == 5 and data.endswith(b"data: [DONE]\n\n")
+            assert b'"content":"t3 "' in data
+            p = env.prefill[0].seen[0]["body"]
+            assert p["max_completion_tokens"] == 1 and "stream_options" not in p
+            d = env.decode[0].seen[0]["body"]
+            assert d["max_completion_tokens"] == 9 and d["stream_options"] == {"include_usage": True}
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_ttft_seconds_count") == 1
+            assert metric(text, "kvdisagg_proxy_tpot_seconds_count") == 1
+            assert metric(text, "kvdisagg_proxy_requests_total", endpoint="chat", outcome="ok") == 1
+    run(t())
 
 
-def test_decode_fails_mid_stream() -> None:
-    async def broken(request: web.Request) -> web.StreamResponse:
-        await request.read()
-        resp = web.StreamResponse(headers={"Content-Length": "1000"})
-        resp.content_type = "text/event-stream"
-        await resp.prepare(request)
-        await resp.write(CHUNKS[0])
-        await asyncio.sleep(0.05)
-        assert request.transport is not None
-        request.transport.close()
-        return resp
+def test_prefill_500_retries_on_other_prefill() -> None:
+    async def t() -> None:
+        async with proxy(n_prefill=2, breaker=None or ProxyConfig().breaker) as env:
+            env.prefill[0].status = 500
+            for _ in range(4):
+                r = await env.client.post("/v1/completions", json=GEN)
+                assert r.status == 200
+                assert r.headers["X-Kvdisagg-Handoff"] == "pd"
+            assert len(env.decode[0].seen) == 4
+            assert all(s["body"]["kv_transfer_params"]["remote_engine_id"] == "engine-p1"
+                       for s in env.decode[0].seen)
+            text = await env.metrics()
+            p0 = env.urls["p0"]
+            assert metric(text, "kvdisagg_proxy_instance_errors_total", instance=p0,
+                          side="prefill", kind="status") >= 1
+            assert metric(text, "kvdisagg_proxy_instance_retries_total", instance=p0,
+                          side="prefill") >= 1
+    run(t())
 
-    dapp = web.Application()
-    dapp.router.add_post("/v1/completions", broken)
 
-    async def fn(client: TestClient) -> None:
-        r = await client.post("/v1/completions", json={"prompt": "hi", "stream": True})
-        assert r.status == 200
-        data = await r.read()
-        assert data.startswith(CHUNKS[0])
-        assert b'data: {"error"' in data and data.endswith(b"data: [DONE]\n\n")
+def test_all_prefill_down_falls_back_to_decode_only_or_errors() -> None:
+    async def t(fallback: bool) -> None:
+        async with proxy(n_prefill=2, retry=RetryConfig(decode_only_fallback=fallback)) as env:
+            for p in env.prefill:
+                p.status = 500
+            r = await env.client.post("/v1/completions", json=GEN)
+            if fallback:
+                assert r.status == 200
+                assert r.headers["X-Kvdisagg-Handoff"] == "decode_only:prefill_failed"
+                assert "kv_transfer_params" not in env.decode[0].seen[0]["body"]
+                text = await env.metrics()
+                assert metric(text, "kvdisagg_proxy_decode_only_total",
+                              reason="prefill_failed") == 1
+            else:
+                assert r.status == 502
+                err = (await r.json())["error"]
+                assert err["type"] == "upstream_error"
+                assert env.urls["p0"] in err["message"] and env.urls["p1"] in err["message"]
+                assert env.decode[0].seen == []
+    run(t(True))
+    run(t(False))
 
-    asyncio.run(_with_proxy([_prefill_app([])], [dapp], fn))
+
+def test_prefill_timeout_is_bounded_and_retried() -> None:
+    async def t() -> None:
+        async with proxy(n_prefill=2, timeouts=TimeoutConfig(prefill_s=0.3, decode_connect_s=2,
+                                                             decode_idle_s=1)) as env:
+            env.prefill[0].delay_s = 5
+            t0 = time.monotonic()
+            for _ in range(2):
+                r = await env.client.post("/v1/completions", json=GEN)
+                assert r.status == 200
+            assert time.monotonic() - t0 < 2.0
+            assert env.prefill[0].aborted >= 1  # the timed-out leg was aborted upstream
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_instance_errors_total", instance=env.urls["p0"],
+                          kind="timeout") >= 1
+    run(t())
+
+
+def test_prefill_without_kv_params_is_counted_not_silent() -> None:
+    async def t() -> None:
+        async with proxy(n_prefill=1) as env:
+            env.prefill[0].with_kv = False
+            r = await env.client.post("/v1/completions", json=GEN)
+            assert r.status == 502
+            assert "returned no kv_transfer_params" in (await r.json())["error"]["message"]
+            assert env.decode[0].seen == []
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_missing_kv_transfer_params_total",
+                          instance=env.urls["p0"]) == 1
+        async with proxy(n_prefill=2) as env:  # with another prefill it is retried there
+            env.prefill[0].with_kv = False
+            for _ in range(2):
+                r = await env.client.post("/v1/completions", json=GEN)
+                assert r.status == 200 and r.headers["X-Kvdisagg-Handoff"] == "pd"
+            assert all(s["body"]["kv_transfer_params"]["remote_engine_id"] == "engine-p1"
+                       for s in env.decode[0].seen)
+    run(t())
+
+
+def test_decode_refusing_connection_retries_other_decode_with_same_handoff() -> None:
+    async def t() -> None:
+        async with proxy(dead_decode=1, health=HealthConfig(interval_s=60, startup_timeout_s=0.1,
+                                                            timeout_s=0.3)) as env:
+            # the dead decode failed its start-up probe; make it routable to exercise failover
+            reg = env.client.server.app[__import__("kvdisagg.proxy.app").proxy.app.REGISTRY]
+            for inst in reg.instances.values():
+                inst.healthy = True
+            for stream in (False, True):
+                r = await env.client.post("/v1/completions", json={**GEN, "stream": stream})
+                assert r.status == 200
+                await r.read()
+            # one prefill per request: a refused connection means decode never saw the KV
+            assert len(env.prefill[0].seen) == 2 and len(env.decode[0].seen) == 2
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_instance_errors_total", kind="connect") >= 1
+    run(t())
+
+
+def test_decode_500_before_first_byte_reprefills_on_retry() -> None:
+    async def t() -> None:
+        async with proxy(n_decode=2) as env:
+            env.decode[0].status = 503
+            r = await env.client.post("/v1/completions", json={**GEN, "stream": True})
+            assert r.status == 200
+            assert (await r.read()).endswith(b"data: [DONE]\n\n")
+            assert len(env.prefill[0].seen) == 2  # KV may be gone: a fresh handoff
+            assert len(env.decode[0].seen) == 1 and len(env.decode[1].seen) == 1
+        async with proxy(n_decode=1) as env:
+            env.decode[0].status = 500
+            r = await env.client.post("/v1/completions", json=GEN)
+            assert r.status == 502
+            assert "decode failed" in (await r.json())["error"]["message"]
+    run(t())
+
+
+def test_decode_dying_or_hanging_mid_stream_ends_with_error_event() -> None:
+    async def t(fault: str) -> None:
+        async with proxy() as env:
+            env.decode[0].tokens = 5
+            setattr(env.decode[0], fault, 2)
+            t0 = time.monotonic()
+            r = await env.client.post("/v1/completions", json={**GEN, "stream": True})
+            assert r.status == 200
+            data = await r.read()
+            assert time.monotonic() - t0 < 5
+            assert data.startswith(b'data: {"choices"') and data.count(b'"text"') == 2
+            assert b'data: {"error"' in data and data.endswith(b"data: [DONE]\n\n")
+            assert b"mid-stream" in data
+            text = await env.metrics()
+            kind = "stream" if fault == "die_after" else "timeout"
+            assert metric(text, "kvdisagg_proxy_instance_errors_total", side="decode",
+                          kind=kind) == 1
+    run(t("die_after"))
+    run(t("hang_after"))
+
+
+def test_client_disconnect_aborts_upstream() -> None:
+    async def t() -> None:
+        async with proxy() as env:
+            env.decode[0].tokens = 5
+            env.decode[0].hang_after = 1
+            r = await env.client.post("/v1/completions", json={**GEN, "stream": True})
+            assert r.status == 200
+            await r.content.readline()
+            r.close()  # the client goes away mid-stream
+            for _ in range(50):
+                if env.decode[0].aborted:
+                    break
+                await asyncio.sleep(0.05)
+            assert env.decode[0].aborted == 1
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_in_flight") == 0
+            assert metric(text, "kvdisagg_proxy_requests_total",
+                          outcome="client_disconnect") == 1
+            assert metric(text, "kvdisagg_proxy_instance_in_flight") == 0
+            # a disconnect says nothing about the instance: its breaker stays closed
+            r = await env.client.get("/admin/list")
+            d = [i for i in (await r.json())["instances"] if i["url"] == env.urls["d0"]][0]
+            assert d["breaker"] == "closed" and d["errors"]["decode"] == 0
+        async with proxy() as env:  # disconnect during the prefill leg aborts prefill
+            env.prefill[0].delay_s = 5
+            task = asyncio.create_task(env.client.post("/v1/completions", json=GEN))
+            await asyncio.sleep(0.2)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            for _ in range(50):
+                if env.prefill[0].aborted:
+                    break
+                await asyncio.sleep(0.05)
+            assert env.prefill[0].aborted == 1 and env.decode[0].seen == []
+    run(t())
+
+
+def test_health_probes_mark_unhealthy_and_recover() -> None:
+    async def t() -> None:
+        async with proxy(n_prefill=2, health=HealthConfig(interval_s=0.1, timeout_s=0.5,
+                                                          failure_threshold=2,
+                                                          success_threshold=2)) as env:
+            env.prefill[1].health_status = 503
+            await asyncio.sleep(0.6)
+            r = await env.client.get("/admin/list")
+            rows = {i["url"]: i for i in (await r.json())["instances"]}
+            assert rows[env.urls["p1"]]["healthy"] is False
+            assert "503" in rows[env.urls["p1"]]["last_probe_error"]
+            for _ in range(4):
+                assert (await env.client.post("/v1/completions", json=GEN)).status == 200
+            assert len(env.prefill[1].seen) == 0 and len(env.prefill[0].seen) == 4
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_instance_healthy", instance=env.urls["p1"]) == 0
+            env.prefill[1].health_status = 200
+            await asyncio.sleep(0.6)
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_instance_healthy", instance=env.urls["p1"]) == 1
+            for _ in range(4):
+                assert (await env.client.post("/v1/completions", json=GEN)).status == 200
+            assert len(env.prefill[1].seen) == 2
+    run(t())
+
+
+def test_admin_add_drain_remove_list() -> None:
+    async def t() -> None:
+        async with proxy(n_decode=1) as env:
+            extra = FakeVllm("d-extra")
+            srv = TestServer(extra.app(), host="127.0.0.1")
+            await srv.start_server()
+            url = str(srv.make_url("")).rstrip("/")
+            try:
+                r = await env.client.post("/admin/add", json={"url": url, "role": "decode"})
+                assert r.status == 201 and (await r.json())["healthy"] is True
+                r = await env.client.post("/admin/add", json={"url": url, "role": "decode"})
+                assert r.status == 409
+                r = await env.client.post("/admin/add", json={"url": "ftp://x", "role": "decode"})
+                assert r.status == 400
+                for _ in range(4):
+                    assert (await env.client.post("/v1/completions", json=GEN)).status == 200
+                assert len(extra.seen) == 2
+                # drain while a request is in flight on it: drain waits, the request succeeds
+                extra.delay_s = 0.5
+                env.decode[0].delay_s = 0.5
+                reqs = [asyncio.create_task(env.client.post("/v1/completions", json=GEN))
+                        for _ in range(2)]
+                await asyncio.sleep(0.1)
+                t0 = time.monotonic()
+                r = await env.client.post("/admin/drain", json={"url": url, "remove": True})
+                body = await r.json()
+                assert body["drained"] is True and time.monotonic() - t0 > 0.2
+                assert [(await q).status for q in reqs] == [200, 200]
+                r = await env.client.get("/admin/list")
+                assert url not in [i["url"] for i in (await r.json())["instances"]]
+                n = len(extra.seen)
+                assert (await env.client.post("/v1/completions", json=GEN)).status == 200
+                assert len(extra.seen) == n
+                r = await env.client.post("/admin/remove", json={"url": url})
+                assert r.status == 404
+            finally:
+                await srv.close()
+    run(t())
+
+
+def test_admin_key_required_when_set() -> None:
+    async def t() -> None:
+        async with proxy(admin_key="adm") as env:
+            assert (await env.client.get("/admin/list")).status == 401
+            r = await env.client.get("/admin/list", headers={"Authorization": "Bearer adm"})
+            assert r.status == 200
+    run(t())
+
+
+def test_slo_aware_sheds_with_429_when_no_instance_meets_ttft() -> None:
+    async def t() -> None:
+        async with proxy(policy=PolicyConfig(prefill="slo_aware", decode="slo_aware"),
+                         slo=SloConfig(ttft_s=0.05, tpot_s=1.0, admission="shed")) as env:
+            env.prefill[0].delay_s = 0.1
+            r = await env.client.post("/v1/completions", json=GEN)
+            assert r.status == 200  # no measurement yet: explored
+            r = await env.client.post("/v1/completions", json=GEN)
+            assert r.status == 429
+            err = (await r.json())["error"]
+            assert err["type"] == "rate_limit_exceeded" and "TTFT SLO" in err["message"]
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_requests_total", outcome="shed") == 1
+    run(t())
+
+
+def test_goodput_and_slo_metrics() -> None:
+    async def t() -> None:
+        async with proxy(slo=SloConfig(ttft_s=0.5, tpot_s=0.1)) as env:
+            for stream in (True, True, False):
+                r = await env.client.post("/v1/completions", json={**GEN, "stream": stream})
+                await r.read()
+            env.prefill[0].delay_s = 0.6  # misses TTFT
+            r = await env.client.post("/v1/completions", json={**GEN, "stream": True})
+            await r.read()
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_slo_requests_total") == 4
+            assert metric(text, "kvdisagg_proxy_slo_met_total", slo="both") == 3
+            assert metric(text, "kvdisagg_proxy_slo_attainment") == pytest.approx(0.75)
+            assert metric(text, "kvdisagg_proxy_goodput_rps") > 0
+            assert metric(text, "kvdisagg_proxy_instance_goodput_rps",
+                          instance=env.urls["d0"]) == metric(text, "kvdisagg_proxy_goodput_rps")
+            assert metric(text, "kvdisagg_proxy_handoff_seconds_count") == 4
+            assert metric(text, "kvdisagg_proxy_e2e_seconds_count") == 4
+    run(t())
+
+
+def test_bad_json_health_readiness_models() -> None:
+    async def t() -> None:
+        async with proxy() as env:
+            r = await env.client.post("/v1/completions", data=b"{not json",
+                                      headers={"Content-Type": "application/json"})
+            assert r.status == 400
+            assert (await r.json())["error"]["type"] == "invalid_request_error"
+            assert (await env.client.post("/v1/completions", json=[1, 2])).status == 400
+            assert (await env.client.get("/health")).status == 200
+            r = await env.client.get("/readiness")
+            body = await r.json()
+            assert r.status == 200 and body["decode"] == {"healthy": 1, "total": 1}
+            r = await env.client.get("/v1/models")
+            assert (await r.json())["data"][0]["id"] == "tiny"
+        async with proxy(n_decode=0, dead_decode=1,
+                         health=HealthConfig(startup_timeout_s=0.3, timeout_s=0.2)) as env:
+            assert (await env.client.get("/readiness")).status == 503
+            r = await env.client.post("/v1/completions", json=GEN)
+            assert r.status == 503 and "no healthy decode" in (await r.json())["error"]["message"]
+    run(t())
+
+
+def test_startup_does_not_wait_forever_for_dead_url() -> None:
+    async def t() -> None:
+        t0 = time.monotonic()
+        async with proxy(dead_decode=1, health=HealthConfig(startup_timeout_s=5, timeout_s=0.2)):
+            pass  # the healthy decode is enough: no wait for the dead one
+        assert time.monotonic() - t0 < 2
+    run(t())
+
+
+def test_kv_both_serves_either_side() -> None:
+    async def t() -> None:
+        both = FakeVllm("b")
+        srv = TestServer(both.app(), host="127.0.0.1")
+        await srv.start_server()
+        url = str(srv.make_url("")).rstrip("/")
+        cfg = ProxyConfig(instances=[InstanceSpec(url=url, role=Role.BOTH)])
+        client = TestClient(TestServer(make_app(config=cfg), host="127.0.0.1"))
+        await client.start_server()
+        try:
+            r = await client.post("/v1/completions", json=GEN)
+            assert r.status == 200 and r.headers["X-Kvdisagg-Handoff"] == "pd"
+            assert len(both.seen) == 2
+        finally:
+            await client.close()
+            await srv.close()
+    run(t())

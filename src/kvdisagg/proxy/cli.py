@@ -1,23 +1,84 @@
-"""``kvdisagg proxy``: command-line entry of the handoff proxy."""
+"""``kvdisagg proxy``: command-line entry of the proxy.
+
+Membership comes from ``--prefill/--decode/--both`` URLs and/or ``--config FILE`` (YAML or
+TOML, the ``ProxyConfig`` tree of docs/proxy.md); flags given on the command line override the
+file's values.
+"""
 
 from __future__ import annotations
 
 import argparse
 
-HELP = "OpenAI-compatible P/D handoff proxy in front of vLLM fleets"
+HELP = "OpenAI-compatible P/D proxy and global scheduler in front of vLLM fleets"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", nargs="+", required=True, metavar="URL")
-    p.add_argument("--decode", nargs="+", required=True, metavar="URL")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--timeout", type=float, default=60.0,
-                   help="bound on each upstream call, seconds (default 60)")
+    p.add_argument("--config", metavar="FILE", help="proxy config, .yaml/.yml or .toml")
+    p.add_argument("--prefill", nargs="+", default=[], metavar="URL")
+    p.add_argument("--decode", nargs="+", default=[], metavar="URL")
+    p.add_argument("--both", nargs="+", default=[], metavar="URL",
+                   help="kv_both instances, usable for either side")
+    p.add_argument("--host", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="listen port (default 8000)")
+    p.add_argument("--timeout", type=float,
+                   help="bound on the prefill leg and on decode silence, seconds (default 60)")
+    p.add_argument("--policy", help="policy for both sides (round_robin, least_loaded, "
+                   "prefix_aware, slo_aware)")
+    p.add_argument("--prefill-policy")
+    p.add_argument("--decode-policy")
+    p.add_argument("--slo-ttft", type=float, metavar="S", help="TTFT SLO, seconds")
+    p.add_argument("--slo-tpot", type=float, metavar="S", help="TPOT SLO, seconds")
+    p.add_argument("--admission", choices=["queue", "shed", "colocate"],
+                   help="slo_aware: what to do when no instance meets the SLO")
+    p.add_argument("--api-key", help="replace the client's Authorization on upstream legs")
+    p.add_argument("--admin-key", help="require Bearer ADMIN_KEY on /admin/*")
+    p.add_argument("--no-decode-only-fallback", action="store_true",
+                   help="fail instead of letting decode recompute when no prefill is usable")
+    p.add_argument("--health-interval", type=float, metavar="S")
+
+
+def config_from_args(args: argparse.Namespace):  # -> ProxyConfig
+    import msgspec
+
+    from kvdisagg.proxy.app import build_config
+    from kvdisagg.proxy.config import ProxyConfig, load_config_file
+
+    cfg = load_config_file(args.config) if args.config else ProxyConfig()
+    rep = msgspec.structs.replace
+    top = {k: v for k, v in (("host", args.host), ("port", args.port), ("api_key", args.api_key),
+                             ("admin_key", args.admin_key)) if v is not None}
+    cfg = rep(cfg, **top)
+    pol = {}
+    if args.policy:
+        pol = {"prefill": args.policy, "decode": args.policy}
+    if args.prefill_policy:
+        pol["prefill"] = args.prefill_policy
+    if args.decode_policy:
+        pol["decode"] = args.decode_policy
+    cfg = rep(cfg, policy=rep(cfg.policy, **pol))
+    slo = {k: v for k, v in (("ttft_s", args.slo_ttft), ("tpot_s", args.slo_tpot),
+                             ("admission", args.admission)) if v is not None}
+    if slo:
+        cfg = msgspec.convert({**msgspec.to_builtins(cfg), "slo": {
+            **msgspec.to_builtins(cfg.slo), **slo}}, ProxyConfig)
+    if args.no_decode_only_fallback:
+        cfg = rep(cfg, retry=rep(cfg.retry, decode_only_fallback=False))
+    if args.health_interval:
+        cfg = rep(cfg, health=rep(cfg.health, interval_s=args.health_interval))
+    from kvdisagg.proxy.config import instances_from_urls
+    extra = instances_from_urls(args.prefill, args.decode, args.both)
+    cfg = rep(cfg, instances=[*cfg.instances, *extra])
+    return build_config(timeout_s=args.timeout, config=cfg)
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvdisagg.proxy.app import run_proxy
+    from kvdisagg.errors import ConfigError
+    from kvdisagg.proxy.app import run as run_app
 
-    run_proxy(args.prefill, args.decode, args.host, args.port, args.timeout)
-    return 0
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as exc:
+        raise SystemExit(f"kvdisagg proxy: {exc}") from None
+    if not cfg.instances:
+        raise SystemExit("kvdisagg proxy: no instances; give --prefill/--decode URLs or --config")
+    return run_app(cfg)

@@ -1,0 +1,109 @@
+"""The admin API: change membership at run time and look at each instance.
+
+    GET  /admin/list                          every instance: health, breaker, load, counters
+    POST /admin/add     {"url", "role"}       probe once, then route to it if healthy
+    POST /admin/drain   {"url", "timeout_s"?, "remove"?}
+                                              no new work; wait (bounded) for in-flight legs
+    POST /admin/undrain {"url"}               take new work again
+    POST /admin/remove  {"url"}               out of the fleet now; in-flight legs still finish
+
+Bodies are msgspec Structs (unknown keys refused). With ``admin_key`` set, every call needs
+``Authorization: Bearer <admin_key>``.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+import msgspec
+from aiohttp import web
+
+from kvdisagg.errors import ConfigError
+from kvdisagg.proxy.config import InstanceSpec, ProxyConfig, Role
+from kvdisagg.proxy.errors import error_response
+from kvdisagg.proxy.registry import Registry
+
+_encode = msgspec.json.Encoder().encode
+
+
+class _Target(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    url: str
+
+
+class _Drain(_Target, kw_only=True):
+    timeout_s: float | None = None
+    remove: bool = False
+
+
+def _json(obj: object, status: int = 200) -> web.Response:
+    return web.Response(body=_encode(obj), status=status, content_type="application/json")
+
+
+def add_routes(app: web.Application, cfg: ProxyConfig, registry: Registry) -> None:
+    def authorized(request: web.Request) -> bool:
+        if not cfg.admin_key:
+            return True
+        got = request.headers.get("Authorization", "")
+        return hmac.compare_digest(got.encode(), f"Bearer {cfg.admin_key}".encode())
+
+    async def parse(request: web.Request, typ: type) -> object:
+        try:
+            return msgspec.json.decode(await request.read(), type=typ)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise web.HTTPBadRequest(body=_encode({"error": {
+                "message": f"bad admin request: {exc}", "type": "invalid_request_error",
+                "param": None, "code": 400}}), content_type="application/json") from None
+
+    def guarded(handler):  # type: ignore[no-untyped-def]
+        async def wrapper(request: web.Request) -> web.StreamResponse:
+            if not authorized(request):
+                return error_response(401, "admin API needs Authorization: Bearer <admin_key>",
+                                      "authentication_error")
+            try:
+                return await handler(request)
+            except KeyError as exc:
+                return error_response(404, str(exc.args[0]), "not_found")
+        return wrapper
+
+    async def list_(request: web.Request) -> web.Response:
+        return _json({"instances": [i.info() for i in registry.instances.values()]})
+
+    async def add(request: web.Request) -> web.Response:
+        try:
+            spec = await parse(request, InstanceSpec)
+            ProxyConfig(instances=[spec]).validate()  # same URL rules as the config file
+        except ConfigError as exc:
+            return error_response(400, str(exc))
+        assert isinstance(spec, InstanceSpec)
+        try:
+            inst = registry.add(spec)
+        except ValueError as exc:
+            return error_response(409, str(exc), "conflict")
+        await registry.probe(inst)
+        return _json(inst.info(), 201)
+
+    async def drain(request: web.Request) -> web.Response:
+        req = await parse(request, _Drain)
+        assert isinstance(req, _Drain)
+        drained = await registry.drain(req.url, req.timeout_s or cfg.drain_timeout_s)
+        inst = registry.remove(req.url) if req.remove and drained else registry.get(req.url)
+        return _json({"drained": drained, "instance": inst.info()})
+
+    async def undrain(request: web.Request) -> web.Response:
+        req = await parse(request, _Target)
+        assert isinstance(req, _Target)
+        return _json(registry.undrain(req.url).info())
+
+    async def remove(request: web.Request) -> web.Response:
+        req = await parse(request, _Target)
+        assert isinstance(req, _Target)
+        return _json(registry.remove(req.url).info())
+
+    app.router.add_get("/admin/list", guarded(list_))
+    app.router.add_post("/admin/add", guarded(add))
+    app.router.add_post("/admin/drain", guarded(drain))
+    app.router.add_post("/admin/undrain", guarded(undrain))
+    app.router.add_post("/admin/remove", guarded(remove))
+
+
+__all__ = ["add_routes", "Role"]

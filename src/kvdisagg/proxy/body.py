@@ -1,0 +1,152 @@
+"""Client request bodies: inspect once, build the prefill body, splice the decode body.
+
+The decode leg produces what the client sees, so its body is the client's bytes with one
+field inserted: ``"kv_transfer_params": ...`` right after the opening brace (no re-encoding,
+so no float or key-order changes; vllm-router re-serializes through f32). Only when the client
+itself sent ``kv_transfer_params`` (which it must not: that would let it choose the blocks
+decode reads) is the body re-encoded without it; msgspec writes floats in their shortest
+round-trip form, so even then no value changes. The prefill body must change several fields
+and is re-encoded the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import msgspec
+
+from kvdisagg.proxy.policies import RouteRequest
+
+_decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
+
+PREFILL_KV_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+class BodyError(ValueError):
+    pass
+
+
+class ClientBody(NamedTuple):
+    raw: bytes  # the client's bytes (without a forged kv_transfer_params)
+    fields: dict[str, Any]
+    chat: bool
+    stream: bool
+    route: RouteRequest
+
+
+def _prompt_text(fields: dict[str, Any], chat: bool) -> tuple[str, int | None]:
+    """Prompt text for prefix hashing, and the token count when the prompt is token ids."""
+    if chat:
+        parts: list[str] = []
+        for m in fields.get("messages") or ():
+            if isinstance(m, dict):
+                c = m.get("content")
+                if isinstance(c, str):
+                    parts.append(c)
+                elif isinstance(c, list):
+                    parts.extend(p.get("text", "") for p in c
+                                 if isinstance(p, dict) and isinstance(p.get("text"), str))
+        return "\n".join(parts), None
+    p = fields.get("prompt")
+    if isinstance(p, str):
+        return p, None
+    if isinstance(p, list) and p:
+        if all(isinstance(t, int) for t in p):
+            return ",".join(map(str, p[:256])), len(p)
+        if isinstance(p[0], str):
+            return p[0], None
+        if isinstance(p[0], list):
+            return ",".join(map(str, p[0][:256])), sum(len(x) for x in p if isinstance(x, list))
+    return "", None
+
+
+def parse(raw: bytes, chat: bool, prefix_chars: int) -> ClientBody:
+    try:
+        fields = _decode(raw)
+    except msgspec.DecodeError as exc:
+        raise BodyError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(fields, dict):
+        raise BodyError("request body must be a JSON object")
+    if "kv_transfer_params" in fields:
+        # A client must never choose which KV blocks decode reads.
+        del fields["kv_transfer_params"]
+        raw = _encode(fields)
+    stream = fields.get("stream") is True
+    text, n_ids = _prompt_text(fields, chat)
+    tokens = n_ids if n_ids is not None else max(1, len(text) // 4)
+    mt = fields.get("max_completion_tokens") if chat else None
+    if not isinstance(mt, int):
+        mt = fields.get("max_tokens")
+    max_tokens = mt if isinstance(mt, int) and mt > 0 else 16
+    key = text[:prefix_chars].encode("utf-8", "surrogatepass")
+    return ClientBody(raw, fields, chat, stream, RouteRequest(key, tokens, max_tokens))
+
+
+def prefill_body(body: ClientBody) -> bytes:
+    """One token, never streamed, with ``do_remote_decode`` so prefill keeps the KV."""
+    out = dict(body.fields)
+    out["stream"] = False
+    out["max_tokens"] = 1
+    if body.chat or "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out.pop("stream_options", None)
+    out.pop("min_tokens", None)
+    out["kv_transfer_params"] = PREFILL_KV_PARAMS
+    return _encode(out)
+
+
+def decode_body(body: ClientBody, kv_params: bytes | None) -> bytes:
+    """The client's bytes plus ``kv_transfer_params`` (``None``: decode-only, bytes as sent)."""
+    if kv_params is None:
+        return body.raw
+    raw = body.raw
+    i = raw.index(b"{") + 1
+    rest = raw[i:].lstrip()
+    sep = b"" if rest.startswith(b"}") else b","
+    return b"".join((raw[:i], b'"kv_transfer_params":', kv_params, sep, raw[i:]))
+
+
+class _PrefillAnswer(msgspec.Struct):
+    kv_transfer_params: msgspec.Raw = msgspec.Raw(b"null")  # Raw cannot sit in a union
+
+
+_prefill_answer = msgspec.json.Decoder(_PrefillAnswer).decode
+
+
+def kv_params_of(prefill_response: bytes) -> bytes | None:
+    """The prefill's ``kv_transfer_params`` as raw JSON bytes (passed on untouched), or None."""
+    try:
+        raw = _prefill_answer(prefill_response).kv_transfer_params
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    b = bytes(raw)
+    if b in (b"null", b"{}") or not b.startswith(b"{"):
+        return None
+    return b
+
+
+class _Usage(msgspec.Struct):
+    completion_tokens: int | None = None
+
+
+class _Answer(msgspec.Struct):
+    usage: _Usage | None = None
+
+
+_answer = msgspec.json.Decoder(_Answer).decode
+
+
+def completion_tokens(response: bytes) -> int | None:
+    try:
+        u = _answer(response).usage
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return u.completion_tokens if u is not None else None

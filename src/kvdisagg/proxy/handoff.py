@@ -1,0 +1,374 @@
+"""One client request: pick instances, run the prefill leg and the decode leg, with failover.
+
+Failure rules (each retry bounded by ``retry.*`` and logged):
+- prefill 5xx/429, connect error or timeout: retry on another prefill instance; when all tries
+  fail or no prefill is healthy, serve decode-only (decode recomputes the prompt) if
+  ``retry.decode_only_fallback``, counted in ``kvdisagg_proxy_decode_only_total``;
+- prefill 200 without ``kv_transfer_params``: an explicit, counted event
+  (``kvdisagg_proxy_missing_kv_transfer_params_total``), retried on another prefill, never
+  a silent re-prefill on decode; if every try lacks them the client gets 502;
+- prefill or decode 4xx: the client's request is bad; relayed as is, no retry;
+- decode failure before the first byte: retry on another decode; a refused connection reuses
+  the handoff (decode never saw it), anything else re-prefills first (the KV may be gone);
+- decode failure mid-stream: an error event then ``[DONE]`` ends the stream;
+- client disconnect: the handler is cancelled and the upstream connection aborted, which
+  makes vLLM abort the request and free its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import uuid
+from typing import NamedTuple
+
+from aiohttp import web
+
+from kvdisagg.proxy import body as bodies
+from kvdisagg.proxy.config import Admission, ProxyConfig
+from kvdisagg.proxy.errors import error_body, error_event, error_response
+from kvdisagg.proxy.metrics import Metrics
+from kvdisagg.proxy.policies import Policy, Side, Verdict
+from kvdisagg.proxy.registry import Instance, Registry
+from kvdisagg.proxy.upstream import ConnectError, Response, UpstreamError, UpstreamTimeout
+
+log = logging.getLogger("kvdisagg.proxy")
+
+_RID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+_RETRYABLE = frozenset((408, 429))
+
+
+class LegFailure(NamedTuple):
+    """Why a leg failed; ``client_error`` responses go back to the client unchanged."""
+
+    kind: str  # connect | timeout | status | missing_kv_params | stream
+    message: str
+    status: int  # what the client gets if this is the last word
+    client_error: web.Response | None = None
+    sent: bool = True  # the upstream may have seen the request
+
+
+class Prefilled(NamedTuple):
+    kv: bytes | None  # None: decode-only
+    mode: str  # "pd" or "decode_only:<reason>"
+
+
+def _kind(exc: UpstreamError) -> str:
+    if isinstance(exc, ConnectError):
+        return "connect"
+    if isinstance(exc, UpstreamTimeout):
+        return "timeout"
+    return "stream"
+
+
+class Handoff:
+    def __init__(self, cfg: ProxyConfig, registry: Registry, metrics: Metrics,
+                 prefill_policy: Policy, decode_policy: Policy) -> None:
+        self.cfg = cfg
+        self.registry = registry
+        self.metrics = metrics
+        self.prefill_policy = prefill_policy
+        self.decode_policy = decode_policy
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.shutting_down = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # request headers for both legs
+    def _headers(self, request: web.Request, rid: str) -> bytes:
+        auth = (f"Bearer {self.cfg.api_key}" if self.cfg.api_key
+                else request.headers.get("Authorization"))
+        h = f"Content-Type: application/json\r\nX-Request-Id: {rid}\r\n"
+        if auth:
+            h += f"Authorization: {auth}\r\n"
+        return h.encode("latin-1", "replace")
+
+    async def serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        m = self.metrics
+        endpoint = "chat" if chat else "completions"
+        loop = self._loop or asyncio.get_running_loop()
+        self._loop = loop
+        t0 = loop.time()
+        m.in_flight += 1
+        self.idle.clear()
+        outcome = "error"
+        try:
+            resp, outcome = await self._serve(request, chat, t0)
+            return resp
+        except asyncio.CancelledError:
+            outcome = "client_disconnect"
+            raise
+        except ConnectionResetError:
+            outcome = "client_disconnect"
+            raise
+        finally:
+            m.in_flight -= 1
+            m.request_done(endpoint, outcome)
+            if not m.in_flight:
+                self.idle.set()
+
+    async def _serve(self, request: web.Request, chat: bool,
+                     t0: float) -> tuple[web.StreamResponse, str]:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return error_response(413, f"request body over {self.cfg.max_body_bytes} bytes"), "error"
+        try:
+            body = bodies.parse(raw, chat, self.cfg.policy.prefix_block_chars)
+        except bodies.BodyError as exc:
+            return error_response(400, str(exc)), "error"
+        rid = request.headers.get("X-Request-Id", "")
+        if not _RID.fullmatch(rid):
+            rid = uuid.uuid4().hex
+        headers = self._headers(request, rid)
+        path = request.path
+
+        pre = await self._prefill(body, path, headers, rid)
+        if isinstance(pre, web.Response):
+            return pre, ("shed" if pre.status == 429 else "error")
+        return await self._decode(request, body, path, headers, rid, pre, t0)
+
+    # prefill
+    async def _prefill(self, body: bodies.ClientBody, path: str, headers: bytes,
+                       rid: str) -> Prefilled | web.Response:
+        cfg, reg = self.cfg, self.registry
+        tried: list[Instance] = []
+        failures: list[str] = []
+        missing_kv = False
+        pbody: bytes | None = None
+        for attempt in range(cfg.retry.prefill_attempts):
+            sel = self.prefill_policy.select(body.route, reg.candidates(Side.PREFILL, tuple(tried)),
+                                             Side.PREFILL)
+            inst = sel.instance
+            if inst is None:
+                break
+            if sel.verdict is Verdict.SLO_MISS and attempt == 0:
+                if cfg.slo.admission == Admission.SHED:
+                    return error_response(
+                        429, f"no prefill instance is predicted to meet the TTFT SLO "
+                        f"(best {inst.url}: {sel.predicted_s:.3f}s > {cfg.slo.ttft_s}s)",
+                        "rate_limit_exceeded", {"Retry-After": "1"})
+                if cfg.slo.admission == Admission.COLOCATE:
+                    self.metrics.served_decode_only("colocate")
+                    return Prefilled(None, "decode_only:colocate")
+            if tried:
+                tried[-1].retries[Side.PREFILL] += 1
+            if pbody is None:
+                pbody = bodies.prefill_body(body)
+            res = await self._prefill_leg(inst, path, pbody, headers, body.route.prompt_tokens)
+            if isinstance(res, bytes):
+                return Prefilled(res, "pd")
+            if res.client_error is not None:
+                return res.client_error
+            self.metrics.leg_error(inst.url, Side.PREFILL, res.kind)
+            missing_kv |= res.kind == "missing_kv_params"
+            failures.append(res.message)
+            tried.append(inst)
+            log.warning("request %s: prefill attempt %d/%d failed: %s", rid, attempt + 1,
+                        cfg.retry.prefill_attempts, res.message)
+        reason = "prefill_failed" if tried else "no_healthy_prefill"
+        if cfg.retry.decode_only_fallback and not missing_kv:
+            log.warning("request %s: serving decode-only (%s)", rid, reason)
+            self.metrics.served_decode_only(reason)
+            return Prefilled(None, f"decode_only:{reason}")
+        if not failures:
+            return error_response(503, "no healthy prefill instance (and decode-only fallback "
+                                  "is off: retry.decode_only_fallback)", "service_unavailable")
+        status = 502 if missing_kv else 504 if all("timed out" in f or "within" in f
+                                                   for f in failures) else 502
+        return error_response(status, "prefill failed: " + "; ".join(failures), "upstream_error")
+
+    async def _prefill_leg(self, inst: Instance, path: str, pbody: bytes, headers: bytes,
+                           tokens: int) -> bytes | LegFailure:
+        """kv_transfer_params (raw JSON) from one prefill instance, or why not."""
+        t = self.cfg.timeouts
+        loop = self._loop
+        assert loop is not None
+        start = loop.time()
+        inst.start(Side.PREFILL, tokens)
+        ok: bool | None = False
+        try:
+            resp = await inst.pool.request(b"POST", path, pbody, headers,
+                                           connect_s=min(t.decode_connect_s, t.prefill_s),
+                                           headers_s=t.prefill_s)
+            data = await resp.read(max(0.001, t.prefill_s - (loop.time() - start)))
+            status = resp.status
+            if 200 <= status < 300:
+                kv = bodies.kv_params_of(data)
+                if kv is None:
+                    self.metrics.missing_kv_params(inst.url)
+                    return LegFailure("missing_kv_params",
+                                      f"prefill {inst.url} returned no kv_transfer_params (is it "
+                                      "running with a kv_producer KV connector?)", 502)
+                ok = True
+                elapsed = loop.time() - start
+                inst.observe_prefill(elapsed, tokens)
+                self.metrics.handoff.observe(elapsed)
+                return kv
+            msg = f"prefill {inst.url} returned {status}: {data[:300].decode('utf-8', 'replace')}"
+            if 400 <= status < 500 and status not in _RETRYABLE:
+                ok = True  # the instance is fine; the request is not
+                return LegFailure("status", msg, status, _relay_error(status, data, msg))
+            return LegFailure("status", msg, 502)
+        except UpstreamError as exc:
+            return LegFailure(_kind(exc), f"prefill {inst.url}: {exc}",
+                              504 if isinstance(exc, UpstreamTimeout) else 502, sent=exc.sent)
+        except asyncio.CancelledError:
+            ok = None
+            raise
+        finally:
+            inst.finish(Side.PREFILL, tokens, ok)
+
+    # decode
+    async def _decode(self, request: web.Request, body: bodies.ClientBody, path: str,
+                      headers: bytes, rid: str, pre: Prefilled,
+                      t0: float) -> tuple[web.StreamResponse, str]:
+        cfg, reg, m = self.cfg, self.registry, self.metrics
+        t = cfg.timeouts
+        tokens = body.route.max_tokens
+        tried: list[Instance] = []
+        failures: list[str] = []
+        for attempt in range(cfg.retry.decode_attempts):
+            sel = self.decode_policy.select(body.route, reg.candidates(Side.DECODE, tuple(tried)),
+                                            Side.DECODE)
+            inst = sel.instance
+            if inst is None:
+                break
+            if (sel.verdict is Verdict.SLO_MISS and attempt == 0
+                    and cfg.slo.admission == Admission.SHED):
+                return error_response(
+                    429, f"no decode instance is predicted to meet the TPOT SLO "
+                    f"(best {inst.url}: {sel.predicted_s:.4f}s > {cfg.slo.tpot_s}s)",
+                    "rate_limit_exceeded", {"Retry-After": "1"}), "shed"
+            if tried:
+                tried[-1].retries[Side.DECODE] += 1
+            dbody = bodies.decode_body(body, pre.kv)
+            inst.start(Side.DECODE, tokens)
+            try:
+                resp = await inst.pool.request(b"POST", path, dbody, headers,
+                                               connect_s=t.decode_connect_s,
+                                               headers_s=t.decode_connect_s)
+            except UpstreamError as exc:
+                inst.finish(Side.DECODE, tokens, False)
+                m.leg_error(inst.url, Side.DECODE, _kind(exc))
+                failures.append(f"decode {inst.url}: {exc}")
+                tried.append(inst)
+                log.warning("request %s: decode attempt %d/%d failed: %s", rid, attempt + 1,
+                            cfg.retry.decode_attempts, failures[-1])
+                if exc.sent and pre.kv is not None and attempt + 1 < cfg.retry.decode_attempts:
+                    again = await self._prefill(body, path, headers, rid)
+                    if isinstance(again, web.Response):
+                        return again, "error"
+                    pre = again
+                continue
+            except asyncio.CancelledError:
+                inst.finish(Side.DECODE, tokens, None)
+                raise
+            if resp.status >= 500 or resp.status in _RETRYABLE:
+                try:
+                    data = await resp.read(t.decode_connect_s)
+                except UpstreamError:
+                    data = b""
+                inst.finish(Side.DECODE, tokens, False)
+                m.leg_error(inst.url, Side.DECODE, "status")
+                failures.append(f"decode {inst.url} returned {resp.status}: "
+                                f"{data[:300].decode('utf-8', 'replace')}")
+                tried.append(inst)
+                log.warning("request %s: decode attempt %d/%d failed: %s", rid, attempt + 1,
+                            cfg.retry.decode_attempts, failures[-1])
+                if pre.kv is not None and attempt + 1 < cfg.retry.decode_attempts:
+                    again = await self._prefill(body, path, headers, rid)
+                    if isinstance(again, web.Response):
+                        return again, "error"
+                    pre = again
+                continue
+            return await self._relay(request, body, resp, inst, rid, pre, t0)
+        if not failures:
+            return error_response(503, "no healthy decode instance", "service_unavailable"), "error"
+        status = 504 if all("timed out" in f or "within" in f for f in failures) else 502
+        return error_response(status, "decode failed: " + "; ".join(failures),
+                              "upstream_error"), "error"
+
+    async def _relay(self, request: web.Request, body: bodies.ClientBody, resp: Response,
+                     inst: Instance, rid: str, pre: Prefilled,
+                     t0: float) -> tuple[web.StreamResponse, str]:
+        """Pass decode's answer to the client byte for byte, timing it on the way."""
+        t, m = self.cfg.timeouts, self.metrics
+        loop = self._loop
+        assert loop is not None
+        tokens = body.route.max_tokens
+        ctype = (resp.header(b"content-type") or b"application/json").decode("latin-1")
+        out_headers = {"Content-Type": ctype, "X-Request-Id": rid, "X-Kvdisagg-Handoff": pre.mode}
+        ok: bool | None = False
+        if not body.stream or not 200 <= resp.status < 300:
+            try:
+                data = await resp.read(t.decode_total_s)
+            except UpstreamError as exc:
+                inst.finish(Side.DECODE, tokens, False)
+                m.leg_error(inst.url, Side.DECODE, _kind(exc))
+                return error_response(504 if isinstance(exc, UpstreamTimeout) else 502,
+                                      f"decode {inst.url}: {exc}", "upstream_error"), "error"
+            except asyncio.CancelledError:
+                inst.finish(Side.DECODE, tokens, None)
+                raise
+            inst.finish(Side.DECODE, tokens, True)
+            if 200 <= resp.status < 300:
+                e2e = loop.time() - t0
+                m.e2e.observe(e2e)
+                m.judge(inst.url, e2e, None, None, bodies.completion_tokens(data))
+            return (web.Response(body=data, status=resp.status, headers=out_headers),
+                    "ok" if resp.status < 400 else "error")
+
+        out = web.StreamResponse(status=resp.status, headers=out_headers)
+        out.headers["Cache-Control"] = "no-cache"
+        first = last = 0.0
+        events = 0
+        outcome = "error"
+        try:
+            await out.prepare(request)
+            try:
+                async for chunk in resp.iter_chunks(t.decode_idle_s, t.decode_total_s):
+                    now = loop.time()
+                    if not first:
+                        first = now
+                    n = chunk.count(b"data:")
+                    if n:
+                        events += n
+                        last = now
+                    await out.write(chunk)
+                ok = True
+                outcome = "ok"
+            except UpstreamError as exc:
+                m.leg_error(inst.url, Side.DECODE, "timeout" if isinstance(exc, UpstreamTimeout)
+                            else "stream")
+                log.warning("request %s: decode %s failed mid-stream: %s", rid, inst.url, exc)
+                await out.write(error_event(504 if isinstance(exc, UpstreamTimeout) else 502,
+                                            f"decode {inst.url} failed mid-stream: {exc}"))
+            await out.write_eof()
+        except (asyncio.CancelledError, ConnectionResetError):
+            ok = None
+            resp.close()
+            raise
+        finally:
+            inst.finish(Side.DECODE, tokens, ok)
+        if ok:
+            e2e = loop.time() - t0
+            m.e2e.observe(e2e)
+            ttft = (first or loop.time()) - t0
+            m.ttft.observe(ttft)
+            n_tokens = events - 1  # the final [DONE]
+            tpot = (last - first) / (n_tokens - 1) if n_tokens >= 2 and last > first else None
+            if tpot is not None:
+                m.tpot.observe(tpot)
+                inst.observe_tpot(tpot)
+            m.judge(inst.url, e2e, ttft, tpot, None)
+        return out, outcome
+
+
+def _relay_error(status: int, data: bytes, message: str) -> web.Response:
+    """An upstream 4xx: keep its JSON body if it is OpenAI-style, else wrap the text."""
+    if data.startswith(b"{") and b'"error"' in data[:200]:
+        return web.Response(body=data, status=status, content_type="application/json")
+    return web.Response(body=error_body(status, message, "invalid_request_error"),
+                        status=status, content_type="application/json")

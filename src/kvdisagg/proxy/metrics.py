@@ -1,0 +1,181 @@
+"""The proxy's Prometheus metrics, SLO attainment and live goodput (names in docs/proxy.md).
+
+Why not prometheus_client: its labelled children take a lock and a dict lookup per update and
+its registry is process-global (two apps in one test process collide). The proxy runs on one
+event loop, so plain dicts and lists are enough and cost a few hundred nanoseconds per update;
+the text is rendered only when scraped. Per-instance gauges are read from the registry at
+scrape time, so they cannot drift from the state routing uses.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+from typing import Iterable
+
+from kvdisagg.proxy.config import SloConfig
+from kvdisagg.proxy.policies import Side
+from kvdisagg.proxy.registry import Registry
+
+P = "kvdisagg_proxy_"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class Histogram:
+    __slots__ = ("name", "help", "bounds", "counts", "sum", "count")
+
+    def __init__(self, name: str, help_: str, bounds: Iterable[float]) -> None:
+        self.name, self.help = name, help_
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, v)] += 1
+        self.sum += v
+        self.count += 1
+
+    def render(self, out: list[str]) -> None:
+        out.append(f"# HELP {self.name} {self.help}\n# TYPE {self.name} histogram\n")
+        acc = 0
+        for b, c in zip(self.bounds, self.counts):
+            acc += c
+            out.append(f'{self.name}_bucket{{le="{b}"}} {acc}\n')
+        out.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}\n'
+                   f"{self.name}_sum {self.sum}\n{self.name}_count {self.count}\n")
+
+
+def _labels(**kv: str) -> str:
+    return "{" + ",".join(f'{k}="{_esc(v)}"' for k, v in kv.items()) + "}"
+
+
+def _esc(v: str) -> str:
+    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class Metrics:
+    def __init__(self, slo: SloConfig, clock=time.monotonic) -> None:
+        self.slo = slo
+        self.clock = clock
+        self.started = clock()
+        self.in_flight = 0
+        self.requests: dict[tuple[str, str], int] = {}
+        self.errors: dict[tuple[str, str, str], int] = {}
+        self.missing_kv: dict[str, int] = {}
+        self.decode_only: dict[str, int] = {}
+        self.ttft = Histogram(P + "ttft_seconds", "Time to first token (streaming).",
+                              LATENCY_BUCKETS)
+        self.tpot = Histogram(P + "tpot_seconds", "Mean time per output token after the first.",
+                              TPOT_BUCKETS)
+        self.e2e = Histogram(P + "e2e_seconds", "End-to-end latency of successful requests.",
+                             LATENCY_BUCKETS)
+        self.handoff = Histogram(P + "handoff_seconds", "Prefill leg until kv_transfer_params.",
+                                 LATENCY_BUCKETS)
+        self.slo_requests = 0
+        self.slo_met = {"ttft": 0, "tpot": 0, "both": 0}
+        self._window: deque[tuple[float, bool, str]] = deque()
+
+    # updates (hot path)
+    def request_done(self, endpoint: str, outcome: str) -> None:
+        k = (endpoint, outcome)
+        self.requests[k] = self.requests.get(k, 0) + 1
+
+    def leg_error(self, url: str, side: Side, kind: str) -> None:
+        k = (url, side.value, kind)
+        self.errors[k] = self.errors.get(k, 0) + 1
+
+    def missing_kv_params(self, url: str) -> None:
+        self.missing_kv[url] = self.missing_kv.get(url, 0) + 1
+
+    def served_decode_only(self, reason: str) -> None:
+        self.decode_only[reason] = self.decode_only.get(reason, 0) + 1
+
+    def judge(self, decode_url: str, e2e: float, ttft: float | None, tpot: float | None,
+              completion_tokens: int | None) -> bool:
+        """Record one successful request against the SLO; True if it met both."""
+        slo = self.slo
+        if ttft is not None:
+            ok_ttft = ttft <= slo.ttft_s
+            ok_tpot = tpot is None or tpot <= slo.tpot_s
+        else:  # non-streaming: only the total is known
+            n = max(1, completion_tokens or 1)
+            ok_ttft = ok_tpot = e2e <= slo.ttft_s + slo.tpot_s * (n - 1)
+        both = ok_ttft and ok_tpot
+        self.slo_requests += 1
+        self.slo_met["ttft"] += ok_ttft
+        self.slo_met["tpot"] += ok_tpot
+        self.slo_met["both"] += both
+        now = self.clock()
+        w = self._window
+        w.append((now, both, decode_url))
+        cutoff = now - slo.window_s
+        while w and w[0][0] < cutoff:
+            w.popleft()
+        return both
+
+    # scrape
+    def goodput(self) -> tuple[float, float, dict[str, float]]:
+        """(attainment, goodput req/s, goodput per decode instance) over the sliding window."""
+        now = self.clock()
+        cutoff = now - self.slo.window_s
+        w = self._window
+        while w and w[0][0] < cutoff:
+            w.popleft()
+        span = max(1.0, min(self.slo.window_s, now - self.started))
+        met = [u for _, ok, u in w if ok]
+        per: dict[str, float] = {}
+        for u in met:
+            per[u] = per.get(u, 0.0) + 1.0
+        attainment = len(met) / len(w) if w else 0.0
+        return attainment, len(met) / span, {u: n / span for u, n in per.items()}
+
+    def render(self, registry: Registry) -> str:
+        out: list[str] = []
+        add = out.append
+        add(f"# TYPE {P}requests_total counter\n")
+        for (ep, oc), n in sorted(self.requests.items()):
+            add(f"{P}requests_total{_labels(endpoint=ep, outcome=oc)} {n}\n")
+        add(f"# TYPE {P}in_flight gauge\n{P}in_flight {self.in_flight}\n")
+        insts = list(registry.instances.values())
+        for fam, kind in (("instance_in_flight", "gauge"), ("instance_requests_total", "counter"),
+                          ("instance_retries_total", "counter")):
+            add(f"# TYPE {P}{fam} {kind}\n")
+            for inst in insts:
+                for side in (Side.PREFILL, Side.DECODE):
+                    v = (inst.in_flight(side) if fam == "instance_in_flight" else
+                         inst.requests[side] if fam == "instance_requests_total" else
+                         inst.retries[side])
+                    add(f"{P}{fam}{_labels(instance=inst.url, side=side.value)} {v}\n")
+        add(f"# TYPE {P}instance_errors_total counter\n")
+        for (url, side, kind), n in sorted(self.errors.items()):
+            add(f"{P}instance_errors_total{_labels(instance=url, side=side, kind=kind)} {n}\n")
+        add(f"# TYPE {P}instance_healthy gauge\n")
+        for inst in insts:
+            add(f"{P}instance_healthy{_labels(instance=inst.url, role=inst.role.value)} "
+                f"{int(inst.up)}\n")
+        add(f"# TYPE {P}missing_kv_transfer_params_total counter\n")
+        for url, n in sorted(self.missing_kv.items()):
+            add(f"{P}missing_kv_transfer_params_total{_labels(instance=url)} {n}\n")
+        add(f"# TYPE {P}decode_only_total counter\n")
+        for reason, n in sorted(self.decode_only.items()):
+            add(f"{P}decode_only_total{_labels(reason=reason)} {n}\n")
+        for h in (self.ttft, self.tpot, self.e2e, self.handoff):
+            h.render(out)
+        add(f"# TYPE {P}slo_requests_total counter\n{P}slo_requests_total {self.slo_requests}\n")
+        add(f"# TYPE {P}slo_met_total counter\n")
+        for k, n in self.slo_met.items():
+            add(f"{P}slo_met_total{_labels(slo=k)} {n}\n")
+        attainment, goodput, per = self.goodput()
+        add(f"# HELP {P}slo_attainment Fraction meeting TTFT and TPOT SLOs, sliding window.\n"
+            f"# TYPE {P}slo_attainment gauge\n{P}slo_attainment {attainment}\n")
+        add(f"# HELP {P}goodput_rps Requests meeting both SLOs per second, sliding window.\n"
+            f"# TYPE {P}goodput_rps gauge\n{P}goodput_rps {goodput}\n")
+        add(f"# TYPE {P}instance_goodput_rps gauge\n")
+        for inst in insts:
+            if inst.role.serves(inst.role.DECODE):
+                add(f"{P}instance_goodput_rps{_labels(instance=inst.url)} "
+                    f"{per.get(inst.url, 0.0)}\n")
+        return "".join(out)

@@ -1,0 +1,314 @@
+"""Who is in the fleet and who may get traffic: membership, health, breakers, load, counters.
+
+Health has two halves. Active probes (``GET /health`` every ``health.interval_s``, bounded by
+``health.timeout_s``) flip an instance only after ``failure_threshold`` consecutive failures or
+``success_threshold`` consecutive successes, so one blip doesn't flap routing. Passive request
+outcomes feed a circuit breaker per instance. A candidate is ACTIVE, healthy and breaker-closed
+(or half-open with its trial free). The same probe scrapes vLLM's ``/metrics`` queue gauges that
+``least_loaded`` and ``slo_aware`` read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+
+import msgspec
+
+from kvdisagg.proxy.breaker import BreakerState, CircuitBreaker
+from kvdisagg.proxy.config import InstanceSpec, ProxyConfig, Role
+from kvdisagg.proxy.policies import Side
+from kvdisagg.proxy.upstream import Pool, UpstreamError
+
+log = logging.getLogger("kvdisagg.proxy")
+
+_EWMA = 0.2  # weight of a new latency sample
+
+
+class State(str, enum.Enum):
+    ACTIVE = "active"
+    DRAINING = "draining"  # no new work; in-flight legs finish
+    REMOVED = "removed"
+
+
+class InstanceInfo(msgspec.Struct, kw_only=True):
+    """One row of ``GET /admin/list``."""
+
+    url: str
+    role: str
+    state: str
+    healthy: bool
+    breaker: str
+    last_probe_error: str | None
+    in_flight: dict[str, int]
+    in_flight_tokens: dict[str, int]
+    requests: dict[str, int]
+    errors: dict[str, int]
+    retries: dict[str, int]
+    vllm_waiting: float
+    vllm_running: float
+    prefill_s_per_token: float | None
+    tpot_s: float | None
+
+
+class Instance:
+    """Mutable per-instance state; policies see it through ``InstanceView`` only."""
+
+    def __init__(self, spec: InstanceSpec, cfg: ProxyConfig) -> None:
+        self.url = spec.key
+        self.role = spec.role
+        self.state = State.ACTIVE
+        self.healthy = False  # until the first probe answers
+        self.probed = False
+        self.ok_streak = 0
+        self.fail_streak = 0
+        self.last_probe_error: str | None = "not probed yet"
+        self.breaker = CircuitBreaker(self.url, cfg.breaker.failure_threshold, cfg.breaker.open_s)
+        self._in_flight = {Side.PREFILL: 0, Side.DECODE: 0}
+        self._tokens = {Side.PREFILL: 0, Side.DECODE: 0}
+        self.requests = {Side.PREFILL: 0, Side.DECODE: 0}
+        self.errors = {Side.PREFILL: 0, Side.DECODE: 0}
+        self.retries = {Side.PREFILL: 0, Side.DECODE: 0}
+        self.vllm_waiting = 0.0
+        self.vllm_running = 0.0
+        self.prefill_s_per_token: float | None = None
+        self.tpot_s: float | None = None
+        self.tpot_load = 0.0
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.pool = Pool(self.url)
+
+    # InstanceView
+    def in_flight(self, side: Side) -> int:
+        return self._in_flight[side]
+
+    def in_flight_tokens(self, side: Side) -> int:
+        return self._tokens[side]
+
+    # bookkeeping for one leg
+    def start(self, side: Side, tokens: int) -> None:
+        self._in_flight[side] += 1
+        self._tokens[side] += tokens
+        self.requests[side] += 1
+        self.breaker.on_start()
+        self.idle.clear()
+
+    def finish(self, side: Side, tokens: int, ok: bool | None) -> None:
+        """``ok`` None: the client went away; says nothing about the instance."""
+        self._in_flight[side] -= 1
+        self._tokens[side] -= tokens
+        if ok is True:
+            self.breaker.on_success()
+        elif ok is False:
+            self.errors[side] += 1
+            self.breaker.on_failure()
+        else:
+            self.breaker.trial_in_flight = False
+        if not self._in_flight[Side.PREFILL] and not self._in_flight[Side.DECODE]:
+            self.idle.set()
+
+    def observe_prefill(self, seconds: float, tokens: int) -> None:
+        spt = seconds / max(1, tokens)
+        old = self.prefill_s_per_token
+        self.prefill_s_per_token = spt if old is None else old + _EWMA * (spt - old)
+
+    def observe_tpot(self, tpot: float) -> None:
+        load = float(self._in_flight[Side.DECODE])
+        if self.tpot_s is None:
+            self.tpot_s, self.tpot_load = tpot, load
+        else:
+            self.tpot_s += _EWMA * (tpot - self.tpot_s)
+            self.tpot_load += _EWMA * (load - self.tpot_load)
+
+    @property
+    def routable(self) -> bool:
+        return self.state is State.ACTIVE and self.healthy and self.breaker.can_execute()
+
+    @property
+    def up(self) -> bool:
+        """What /metrics and /admin/list report as healthy."""
+        return self.healthy and self.breaker.state is not BreakerState.OPEN
+
+    def info(self) -> InstanceInfo:
+        sides = (Side.PREFILL, Side.DECODE)
+        return InstanceInfo(
+            url=self.url, role=self.role.value, state=self.state.value, healthy=self.up,
+            breaker=self.breaker.state.value, last_probe_error=self.last_probe_error,
+            in_flight={s.value: self._in_flight[s] for s in sides},
+            in_flight_tokens={s.value: self._tokens[s] for s in sides},
+            requests={s.value: self.requests[s] for s in sides},
+            errors={s.value: self.errors[s] for s in sides},
+            retries={s.value: self.retries[s] for s in sides},
+            vllm_waiting=self.vllm_waiting, vllm_running=self.vllm_running,
+            prefill_s_per_token=self.prefill_s_per_token, tpot_s=self.tpot_s)
+
+    # active probes
+    def probe_result(self, ok: bool, error: str | None, cfg: ProxyConfig) -> None:
+        """Hysteresis; the very first result sets the state directly (start-up is not delayed)."""
+        self.last_probe_error = error
+        if ok:
+            self.ok_streak += 1
+            self.fail_streak = 0
+        else:
+            self.fail_streak += 1
+            self.ok_streak = 0
+        if not self.probed:
+            self.probed = True
+            self._set_healthy(ok)
+        elif ok and not self.healthy and self.ok_streak >= cfg.health.success_threshold:
+            self._set_healthy(True)
+        elif not ok and self.healthy and self.fail_streak >= cfg.health.failure_threshold:
+            self._set_healthy(False)
+
+    def _set_healthy(self, healthy: bool) -> None:
+        if healthy != self.healthy:
+            (log.info if healthy else log.warning)("instance %s (%s) is now %s%s", self.url, self.role.value,
+                        "healthy" if healthy else "unhealthy",
+                        "" if healthy else f": {self.last_probe_error}")
+        self.healthy = healthy
+        if healthy:
+            self.breaker.reset()
+
+
+def parse_vllm_queue(text: bytes) -> tuple[float, float]:
+    """Sum vLLM's ``num_requests_waiting`` / ``num_requests_running`` gauges over engines."""
+    waiting = running = 0.0
+    for line in text.split(b"\n"):
+        if line.startswith(b"vllm:num_requests_waiting"):
+            waiting += _sample(line)
+        elif line.startswith(b"vllm:num_requests_running"):
+            running += _sample(line)
+    return waiting, running
+
+
+def _sample(line: bytes) -> float:
+    try:
+        return float(line.rsplit(b" ", 1)[1])
+    except (IndexError, ValueError):
+        return 0.0
+
+
+class Registry:
+    """The fleet; order is the order instances were added (round robin follows it)."""
+
+    def __init__(self, cfg: ProxyConfig) -> None:
+        self.cfg = cfg
+        self.instances: dict[str, Instance] = {}
+        self._cache: dict[Side, list[Instance]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    # membership
+    def add(self, spec: InstanceSpec) -> Instance:
+        if spec.key in self.instances:
+            raise ValueError(f"instance {spec.key} is already in the fleet")
+        inst = Instance(spec, self.cfg)
+        self.instances[inst.url] = inst
+        self._cache.clear()
+        log.info("added %s instance %s", inst.role.value, inst.url)
+        return inst
+
+    def get(self, url: str) -> Instance:
+        try:
+            return self.instances[url.rstrip("/")]
+        except KeyError:
+            raise KeyError(f"no instance {url.rstrip('/')} in the fleet") from None
+
+    async def drain(self, url: str, timeout_s: float) -> bool:
+        """Stop new work on ``url`` and wait (bounded) for its in-flight legs; True if idle."""
+        inst = self.get(url)
+        inst.state = State.DRAINING
+        self._cache.clear()
+        log.info("draining %s (%d legs in flight)", inst.url,
+                 inst.in_flight(Side.PREFILL) + inst.in_flight(Side.DECODE))
+        try:
+            async with asyncio.timeout(timeout_s):
+                await inst.idle.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    def undrain(self, url: str) -> Instance:
+        inst = self.get(url)
+        inst.state = State.ACTIVE
+        self._cache.clear()
+        return inst
+
+    def remove(self, url: str) -> Instance:
+        inst = self.get(url)
+        del self.instances[inst.url]
+        inst.state = State.REMOVED
+        self._cache.clear()
+        log.info("removed instance %s", inst.url)
+        return inst
+
+    def members(self, side: Side) -> list[Instance]:
+        """Every instance that may serve ``side`` (whatever its health), registry order."""
+        m = self._cache.get(side)
+        if m is None:
+            want = Role.PREFILL if side is Side.PREFILL else Role.DECODE
+            m = self._cache[side] = [i for i in self.instances.values()
+                                     if i.state is State.ACTIVE and i.role.serves(want)]
+        return m
+
+    def candidates(self, side: Side, exclude: tuple[Instance, ...] = ()) -> list[Instance]:
+        return [i for i in self.members(side) if i.routable and i not in exclude]
+
+    # probes
+    async def probe(self, inst: Instance) -> None:
+        cfg = self.cfg.health
+        try:
+            resp = await inst.pool.request(b"GET", "/health", connect_s=cfg.timeout_s,
+                                           headers_s=cfg.timeout_s)
+            await resp.read(cfg.timeout_s)
+            ok = resp.status == 200
+            error = None if ok else f"/health returned {resp.status}"
+            if ok and cfg.scrape_metrics:
+                resp = await inst.pool.request(b"GET", "/metrics", connect_s=cfg.timeout_s,
+                                               headers_s=cfg.timeout_s)
+                text = await resp.read(cfg.timeout_s)
+                if resp.status == 200:
+                    inst.vllm_waiting, inst.vllm_running = parse_vllm_queue(text)
+        except UpstreamError as exc:
+            ok, error = False, f"/health: {exc}"
+        inst.probe_result(ok, error, self.cfg)
+
+    async def probe_all(self) -> None:
+        insts = list(self.instances.values())
+        if insts:
+            await asyncio.gather(*(self.probe(i) for i in insts))
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.health.interval_s)
+            try:
+                await self.probe_all()
+            except Exception:  # a probe bug must not stop health checking
+                log.exception("health probe round failed")
+
+    async def start(self) -> None:
+        """Probe until a decode instance is up or ``startup_timeout_s`` passes, then keep probing."""
+        deadline = time.monotonic() + self.cfg.health.startup_timeout_s
+        while True:
+            await self.probe_all()
+            if self.candidates(Side.DECODE) and (self.candidates(Side.PREFILL)
+                                                 or self.cfg.retry.decode_only_fallback):
+                break
+            if time.monotonic() >= deadline:
+                down = [i.url for i in self.instances.values() if not i.healthy]
+                log.warning("serving although instances are down after %.0fs: %s",
+                            self.cfg.health.startup_timeout_s, down)
+                break
+            await asyncio.sleep(min(0.5, self.cfg.health.interval_s))
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for inst in self.instances.values():
+            inst.pool.close()

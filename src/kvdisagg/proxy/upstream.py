@@ -1,0 +1,320 @@
+"""A lean keep-alive HTTP/1.1 client for the upstream legs.
+
+Why not aiohttp's ClientSession: per request it builds URL objects, cookie jars, trace hooks and
+timeout contexts, which made it the largest CPU cost of a proxied request (docs/benchmarks.md).
+The proxy only ever POSTs a JSON body to a known host and reads the answer, so this client is an
+``asyncio.Protocol`` with the httptools (llhttp) parser, a per-instance pool of idle connections,
+and timers instead of ``wait_for`` tasks. Every wait is bounded; ``close()`` aborts the
+connection, which is how vLLM learns that a request was abandoned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import AsyncIterator
+from urllib.parse import urlsplit
+
+import httptools
+
+__all__ = ["UpstreamError", "ConnectError", "UpstreamTimeout", "Response", "Pool"]
+
+_PAUSE_AT = 1 << 20  # bytes buffered before we stop reading the upstream socket
+
+
+class UpstreamError(Exception):
+    """The upstream leg failed; ``sent`` says whether the request may have reached the server."""
+
+    def __init__(self, message: str, *, sent: bool = True) -> None:
+        super().__init__(message)
+        self.sent = sent
+
+
+class ConnectError(UpstreamError):
+    """No connection could be made: the server never saw the request."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, sent=False)
+
+
+class UpstreamTimeout(UpstreamError):
+    pass
+
+
+class _Conn(asyncio.Protocol):
+    """One connection; at most one request on it at a time."""
+
+    __slots__ = ("pool", "transport", "parser", "closed", "status", "headers", "chunks",
+                 "buffered", "done", "waiter", "error", "paused", "got_bytes", "keep_alive")
+
+    def __init__(self, pool: "Pool") -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.chunks: deque[bytes] = deque()
+        self.buffered = 0
+        self.done = False
+        self.waiter: asyncio.Future[None] | None = None
+        self.error: UpstreamError | None = None
+        self.paused = False
+        self.got_bytes = False
+        self.keep_alive = False
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:  # pragma: no cover - upstreams never upgrade
+            self._fail(UpstreamError("upstream tried to upgrade the connection"))
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamError(f"malformed HTTP response: {exc}"))
+        if self.buffered > _PAUSE_AT and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if not self.done:
+            what = "before responding" if not self.got_bytes else "mid-response"
+            self._fail(UpstreamError(f"connection closed {what}", sent=True))
+
+    # httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.buffered += len(body)
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.done = True
+        self._wake()
+
+    # internals
+    def _wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _fail(self, err: UpstreamError) -> None:
+        if self.error is None:
+            self.error = err
+        self._wake()
+        if self.transport is not None and not self.closed:
+            self.transport.abort()
+
+    async def wait(self, timeout: float, what: str) -> None:
+        """Wait for the next parser event, at most ``timeout`` seconds."""
+        if self.error is not None:
+            raise self.error
+        loop = self.pool.loop
+        w = self.waiter = loop.create_future()
+        handle = loop.call_later(timeout, _expire, w)
+        try:
+            await w
+        except asyncio.CancelledError:
+            self.abort()
+            raise
+        finally:
+            handle.cancel()
+            self.waiter = None
+        if self.error is not None:
+            raise self.error
+
+    def abort(self) -> None:
+        self.done = True
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+
+def _expire(w: asyncio.Future[None]) -> None:
+    if not w.done():
+        w.set_exception(TimeoutError())
+
+
+class Response:
+    """Status, headers and a body that is read once, either whole or chunk by chunk."""
+
+    __slots__ = ("_conn", "status", "headers", "_released")
+
+    def __init__(self, conn: _Conn) -> None:
+        self._conn = conn
+        self.status = conn.status
+        self.headers = conn.headers
+        self._released = False
+
+    def header(self, name: bytes) -> bytes | None:
+        name = name.lower()
+        for k, v in self.headers:
+            if k.lower() == name:
+                return v
+        return None
+
+    async def read(self, timeout: float) -> bytes:
+        """The whole body, within ``timeout`` seconds."""
+        c = self._conn
+        loop = c.pool.loop
+        deadline = loop.time() + timeout
+        while not c.done:
+            left = deadline - loop.time()
+            if left <= 0:
+                self.close()
+                raise UpstreamTimeout(f"body not complete after {timeout:.1f}s")
+            try:
+                await c.wait(left, "body")
+            except TimeoutError:
+                self.close()
+                raise UpstreamTimeout(f"body not complete after {timeout:.1f}s") from None
+        data = b"".join(c.chunks)
+        c.chunks.clear()
+        self._release()
+        return data
+
+    async def iter_chunks(self, idle_s: float, total_s: float) -> AsyncIterator[bytes]:
+        """Body chunks as they arrive; silence over ``idle_s`` or a total over ``total_s`` fails."""
+        c = self._conn
+        loop = c.pool.loop
+        deadline = loop.time() + total_s
+        try:
+            while True:
+                while c.chunks:
+                    chunk = c.chunks.popleft()
+                    c.buffered -= len(chunk)
+                    if c.paused and c.buffered < _PAUSE_AT // 2 and c.transport is not None:
+                        c.paused = False
+                        c.transport.resume_reading()
+                    yield chunk
+                if c.done:
+                    if c.error is not None:
+                        raise c.error
+                    break
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise UpstreamTimeout(f"stream not finished after {total_s:.1f}s")
+                try:
+                    await c.wait(min(idle_s, left), "chunk")
+                except TimeoutError:
+                    if left <= idle_s:
+                        raise UpstreamTimeout(f"stream not finished after {total_s:.1f}s") from None
+                    raise UpstreamTimeout(f"no data for {idle_s:.1f}s mid-stream") from None
+        except BaseException:
+            self.close()
+            raise
+        self._release()
+
+    def _release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._conn.pool._put(self._conn)
+
+    def close(self) -> None:
+        """Abort the connection unless the body was fully read (then it returns to the pool)."""
+        if self._released:
+            return
+        self._released = True
+        c = self._conn
+        if not c.done or c.error is not None:
+            c.abort()
+        else:
+            c.pool._put(c)
+
+
+class Pool:
+    """Idle keep-alive connections to one ``http://host:port`` origin."""
+
+    def __init__(self, base_url: str, max_idle: int = 256) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"upstream {base_url!r}: only http://host:port URLs are supported")
+        self.host = parts.hostname
+        self.port = parts.port or 80
+        self.prefix = parts.path.rstrip("/")
+        self._host_header = f"Host: {parts.netloc}\r\n".encode()
+        self.max_idle = max_idle
+        self._idle: list[_Conn] = []
+        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set on use
+        self._closed = False
+
+    def _put(self, conn: _Conn) -> None:
+        if (conn.closed or not conn.keep_alive or conn.error is not None or self._closed
+                or len(self._idle) >= self.max_idle):
+            conn.abort()
+            return
+        conn._reset()
+        self._idle.append(conn)
+
+    async def _connect(self, timeout: float) -> _Conn:
+        try:
+            async with asyncio.timeout(timeout):
+                _, conn = await self.loop.create_connection(
+                    lambda: _Conn(self), self.host, self.port)
+        except TimeoutError:
+            raise ConnectError(f"connect to {self.host}:{self.port} timed out "
+                               f"after {timeout:.1f}s") from None
+        except OSError as exc:
+            raise ConnectError(f"cannot connect to {self.host}:{self.port}: "
+                               f"{exc.strerror or exc}") from None
+        return conn
+
+    async def request(self, method: bytes, path: str, body: bytes = b"",
+                      headers: bytes = b"", *, connect_s: float,
+                      headers_s: float) -> Response:
+        """Send one request and wait for the response headers.
+
+        ``headers`` is pre-encoded ``Name: value\\r\\n`` lines. A request on a reused connection
+        that the server had already closed (no byte came back) is resent once on a fresh one.
+        """
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+        head = b"".join((method, b" ", (self.prefix + path).encode(), b" HTTP/1.1\r\n",
+                         self._host_header, b"Content-Length: ", str(len(body)).encode(),
+                         b"\r\n", headers, b"\r\n"))
+        for attempt in (0, 1):
+            reused = False
+            conn: _Conn | None = None
+            while self._idle:
+                c = self._idle.pop()
+                if not c.closed:
+                    conn, reused = c, True
+                    break
+            if conn is None:
+                conn = await self._connect(connect_s)
+            assert conn.transport is not None
+            conn.transport.write(head + body if len(body) < 65536 else head)
+            if len(body) >= 65536:
+                conn.transport.write(body)
+            try:
+                while not conn.status:
+                    await conn.wait(headers_s, "headers")
+            except TimeoutError:
+                conn.abort()
+                raise UpstreamTimeout(f"no response headers within {headers_s:.1f}s") from None
+            except UpstreamError:
+                if reused and not conn.got_bytes and attempt == 0:
+                    continue  # stale keep-alive connection; the server never read it
+                raise
+            return Response(conn)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def close(self) -> None:
+        self._closed = True
+        for c in self._idle:
+            c.abort()
+        self._idle.clear()

@@ -1,0 +1,132 @@
+"""A fake vLLM OpenAI server for proxy tests and the proxy benchmark (no model, no engine).
+
+It speaks the handoff protocol the proxy sees: a prefill request (``do_remote_decode``) gets
+``kv_transfer_params`` back; a decode request streams ``tokens`` SSE events or returns one JSON
+body. Faults are attributes a test can flip while it runs (status, delay, missing params,
+dying mid-stream, hanging), and every request is recorded, including whether the proxy
+aborted it. Run as a process for benchmarks:
+``python -m kvdisagg.testing.fake_vllm --port 8101 --tokens 16``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+_dec = msgspec.json.Decoder().decode
+_enc = msgspec.json.Encoder().encode
+
+
+class FakeVllm:
+    def __init__(self, name: str = "fake", tokens: int = 2, record: bool = True) -> None:
+        self.name = name
+        self.tokens = tokens
+        self.record = record
+        self.status = 200  # answer every generation request with this status
+        self.delay_s = 0.0  # before answering
+        self.with_kv = True  # prefill answers carry kv_transfer_params
+        self.die_after: int | None = None  # decode: close the connection after N events
+        self.hang_after: int | None = None  # decode: go silent after N events
+        self.health_status = 200
+        self.seen: list[dict[str, Any]] = []
+        self.aborted = 0  # requests whose client (the proxy) went away before the end
+        self._ids = itertools.count()
+
+    def kv_params(self) -> dict[str, Any]:
+        return {"do_remote_decode": False, "do_remote_prefill": True,
+                "remote_engine_id": f"engine-{self.name}", "remote_request_id": "r",
+                "remote_block_ids": [1, 2, 3], "remote_host": "127.0.0.1",
+                "remote_port": 5600, "tp_size": 1}
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        body = _dec(raw)
+        if self.record:
+            self.seen.append({"name": self.name, "raw": raw, "body": body, "path": request.path,
+                              "headers": request.headers.copy()})
+        chat = request.path.endswith("/chat/completions")
+        try:
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            if self.status != 200:
+                return web.Response(body=_enc({"error": {"message": f"{self.name} says no",
+                                                         "type": "fake", "code": self.status}}),
+                                    status=self.status, content_type="application/json")
+            kv = body.get("kv_transfer_params") or {}
+            if kv.get("do_remote_decode"):
+                out: dict[str, Any] = {"id": f"cmpl-{self.name}", "object": "text_completion",
+                                       "choices": [{"index": 0, "text": "x"}]}
+                if self.with_kv:
+                    out["kv_transfer_params"] = self.kv_params()
+                return web.Response(body=_enc(out), content_type="application/json")
+            if body.get("stream"):
+                return await self._stream(request, chat)
+            text = "".join(f"t{i} " for i in range(self.tokens))
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}}
+                      if chat else {"index": 0, "text": text})
+            return web.Response(body=_enc({
+                "id": f"cmpl-{self.name}", "choices": [choice],
+                "usage": {"prompt_tokens": 4, "completion_tokens": self.tokens}}),
+                content_type="application/json")
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.aborted += 1
+            raise
+
+    async def _stream(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(self.tokens):
+            if self.die_after is not None and i >= self.die_after:
+                assert request.transport is not None
+                request.transport.abort()
+                return resp
+            if self.hang_after is not None and i >= self.hang_after:
+                await asyncio.sleep(3600)
+            delta = ({"choices": [{"index": 0, "delta": {"content": f"t{i} "}}]} if chat
+                     else {"choices": [{"index": 0, "text": f"t{i} "}]})
+            await resp.write(b"data: " + _enc(delta) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def health(self, _request: web.Request) -> web.Response:
+        return web.Response(status=self.health_status, text="")
+
+    async def metrics(self, _request: web.Request) -> web.Response:
+        return web.Response(text='vllm:num_requests_waiting{engine="0"} 0.0\n'
+                                 'vllm:num_requests_running{engine="0"} 0.0\n')
+
+    async def models(self, _request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "tiny"}]})
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.generate)
+        app.router.add_post("/v1/chat/completions", self.generate)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/v1/models", self.models)
+        return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--name", default="fake")
+    args = p.parse_args(argv)
+    import uvloop
+
+    fake = FakeVllm(args.name, args.tokens, record=False)
+    uvloop.install()
+    web.run_app(fake.app(), host=args.host, port=args.port, access_log=None, print=None)
+
+
+if __name__ == "__main__":
+    main()
