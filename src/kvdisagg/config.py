@@ -6,12 +6,14 @@ so a typo never silently falls back to a default.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import re
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 from kvdisagg.errors import ConfigError
 
+LMCACHE_URL = re.compile(r"lm://(?P<host>[\w.\-]+|\[[0-9a-fA-F:]+\]):(?P<port>\d{1,5})")
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 PositiveSeconds = Annotated[float, msgspec.Meta(gt=0, le=86400)]
 
@@ -20,7 +22,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """Settings of DisaggConnector (the ``kv_connector_extra_config`` dict)."""
 
     transport: str = "tcp"
-    """Transport name (``tcp``) or ``module:Class`` of a custom Transport."""
+    """``tcp``, ``nccl``, ``mooncake``, ``lmcache``, or ``module:Class`` of a custom Transport."""
     side_channel_host: str = "127.0.0.1"
     """Address the prefill worker listens on and advertises in kv_transfer_params."""
     side_channel_port: Port = 0
@@ -29,13 +31,28 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """Prefill frees a handoff's blocks this long after it finished if no decode acknowledged."""
     transfer_timeout_seconds: PositiveSeconds = 30.0
     """Bound on connecting to prefill and on one pull; past it the load fails."""
+    mooncake_protocol: Literal["auto", "tcp", "rdma"] = "auto"
+    """Mooncake's protocol; ``auto`` is ``rdma`` when RDMA devices exist, else ``tcp``."""
+    mooncake_device: str = ""
+    """RDMA device names for Mooncake (comma-separated, e.g. ``mlx5_0,mlx5_1``); '' = all."""
+    mooncake_metadata_server: str = "P2PHANDSHAKE"
+    """Mooncake metadata service; ``P2PHANDSHAKE`` needs none (peers exchange it directly)."""
+    lmcache_url: str = ""
+    """LMCache server for ``transport: lmcache``, ``lm://host:port``."""
+    lmcache_chunk_tokens: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 256
+    """Tokens per stored chunk (a multiple of vLLM's block size); keys hash the token prefix."""
+
+    def __post_init__(self) -> None:
+        if self.transport == "lmcache" and not LMCACHE_URL.fullmatch(self.lmcache_url):
+            raise ValueError(f"lmcache_url={self.lmcache_url!r}: transport lmcache needs "
+                             "'lm://host:port'")
 
 
 def parse_config(extra: dict[str, Any] | None) -> ConnectorConfig:
     """Validate ``kv_connector_extra_config``; raise ConfigError naming the offending key."""
     try:
         return msgspec.convert(extra or {}, ConnectorConfig)
-    except msgspec.ValidationError as exc:
+    except (msgspec.ValidationError, ValueError) as exc:
         known = ", ".join(ConnectorConfig.__struct_fields__)
         raise ConfigError(
             f"DisaggConnector: invalid kv_connector_extra_config: {exc} (known keys: {known})"

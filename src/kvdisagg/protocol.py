@@ -4,25 +4,28 @@ kv_transfer_params keep vLLM NixlConnector's field names so any proxy built for 
 fields live under one key, ``kvdisagg``, which proxies pass through untouched.
 
 PROTOCOL_VERSION history:
-  1: Hello / Read / Done over length-prefixed msgpack frames.
+  1: Hello / Read / Done over length-prefixed msgpack frames, one connection per pull.
+  2: persistent connections (Hello once); Hello/Reply carry the transport's name and info;
+     Read names decode's blocks too (transports pair the ranges); Done is one-way and ends
+     every pull (prefill unpins, then frees the handoff).
 """
 
 from __future__ import annotations
 
 import socket
 import struct
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
 from kvdisagg.errors import TransferFailed
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 NAMESPACE = "kvdisagg"
 MAX_FRAME_BYTES = 1 << 20  # control frames only; KV bytes travel outside frames
 
 BlockId = Annotated[int, msgspec.Meta(ge=0)]
-Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]  # 0: no side channel (store transports)
 
 
 class HandoffExtras(msgspec.Struct, frozen=True, kw_only=True):
@@ -72,34 +75,44 @@ def handoff_params(
 
 
 class Hello(msgspec.Struct, tag=True, frozen=True, kw_only=True):
-    """Decode -> prefill, first on a connection: refused unless layouts match."""
+    """Decode -> prefill, first on a connection: refused unless version, layout and transport
+    match. ``info`` is the transport's own (e.g. nothing for tcp)."""
 
     version: int = PROTOCOL_VERSION
     kv_layout: str
+    transport: str = ""
+    info: dict[str, Any] = {}
 
 
 class Read(msgspec.Struct, tag=True, frozen=True, kw_only=True):
-    """Decode -> prefill: send these blocks of this handoff (a subset of what it holds)."""
+    """Decode -> prefill: send these blocks of this handoff (a subset of what it holds).
+
+    ``dst_block_ids`` (decode's blocks, same length) only shape the ranges both sides post;
+    prefill never addresses memory with them."""
 
     handoff_id: str
     token: str
     block_ids: list[BlockId]
+    dst_block_ids: list[BlockId]
 
 
 class Done(msgspec.Struct, tag=True, frozen=True, kw_only=True):
-    """Decode -> prefill: the handoff's blocks may be freed."""
+    """Decode -> prefill, one-way, after every pull (or alone, to release without reading):
+    prefill unpins and frees the handoff's blocks."""
 
     handoff_id: str
     token: str
+    ok: bool = True
 
 
 class Reply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
-    """Prefill -> decode. For an accepted Read, ``nbytes`` of KV follow the frame."""
+    """Prefill -> decode. For an accepted Read, ``nbytes`` of KV follow through the transport."""
 
     ok: bool
     error: str = ""
     kv_layout: str = ""
     nbytes: int = 0
+    info: dict[str, Any] = {}
 
 
 Message = Hello | Read | Done | Reply

@@ -4,7 +4,7 @@ import msgspec
 import pytest
 
 from kvdisagg.config import ConnectorConfig, parse_config
-from kvdisagg.connector.layout import runs
+from kvdisagg.layout import copy_runs
 from kvdisagg.errors import ConfigError
 from kvdisagg.protocol import Hello, Read, RemotePrefill, handoff_params
 
@@ -54,15 +54,24 @@ def test_bad_handoff_params_refused(mutate):
 
 def test_side_channel_messages_are_tagged():
     dec = msgspec.msgpack.Decoder(Hello | Read)
-    assert dec.decode(msgspec.msgpack.encode(Read(handoff_id="a", token="b", block_ids=[1]))) \
-        == Read(handoff_id="a", token="b", block_ids=[1])
+    assert dec.decode(msgspec.msgpack.encode(Read(handoff_id="a", token="b", block_ids=[1], dst_block_ids=[4]))) \
+        == Read(handoff_id="a", token="b", block_ids=[1], dst_block_ids=[4])
 
 
-@pytest.mark.parametrize("ids, expected", [
-    ([], []),
-    ([7], [(7, 1)]),
-    ([3, 4, 5, 9, 10, 2], [(3, 3), (9, 2), (2, 1)]),
-    ([5, 4, 3], [(5, 1), (4, 1), (3, 1)]),
+@pytest.mark.parametrize("src, dst, expected", [
+    ([], [], []),
+    ([7], [2], [(7, 2, 1)]),
+    ([3, 4, 5, 9, 10, 2], [0, 1, 2, 3, 4, 5], [(3, 0, 3), (9, 3, 2), (2, 5, 1)]),
+    ([3, 4, 5], [0, 1, 7], [(3, 0, 2), (5, 7, 1)]),  # broken on the destination side only
+    ([5, 4, 3], [0, 1, 2], [(5, 0, 1), (4, 1, 1), (3, 2, 1)]),
 ])
-def test_runs(ids, expected):
-    assert list(runs(ids)) == expected
+def test_copy_runs_coalesce_where_both_sides_are_consecutive(src, dst, expected):
+    got = copy_runs(2, src, dst)
+    assert [(r.src, r.dst, r.count) for r in got if r.layer == 0] == expected
+    assert [(r.src, r.dst, r.count) for r in got if r.layer == 1] == expected
+    assert [r.layer for r in got] == sorted(r.layer for r in got)
+
+
+def test_copy_runs_refuses_mismatched_lists():
+    with pytest.raises(ValueError, match="2 source blocks for 1"):
+        copy_runs(1, [1, 2], [3])

@@ -16,6 +16,7 @@ class SendSpec:
     token: str
     block_ids: tuple[int, ...]
     lease_s: float
+    prompt_token_ids: tuple[int, ...] = ()  # only for store transports (lmcache)
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class LoadSpec:
     kv_layout: str = ""
     remote_block_ids: tuple[int, ...] = ()
     local_block_ids: tuple[int, ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()  # only for store transports (lmcache)
+    first_block: int = 0  # index in the prompt of the first local block
     release_only: bool = False
     error: str = ""
 
@@ -49,3 +52,4 @@ class WorkerHandshake(KVConnectorHandshakeMetadata):
     port: int
     kv_layout: str
     transport: str
+    keyed_by_tokens: bool = False  # the transport needs prompt token ids (store transports)

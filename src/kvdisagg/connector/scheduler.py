@@ -9,6 +9,7 @@ Must not import torch or kvdisagg.transport: all byte movement is the worker's.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -39,6 +40,7 @@ class DisaggScheduler:
         self.ports: list[int] = []
         self.transport_name = ""  # the wire name the workers' transport reports
         self.kv_layout = ""
+        self.keyed_by_tokens = False
         self._pulled: set[str] = set()  # decode requests whose load was already planned
         self._sends: list[SendSpec] = []
         self._loads: list[LoadSpec] = []
@@ -50,6 +52,7 @@ class DisaggScheduler:
         self.ports = [m.port for _, m in ranks]
         self.kv_layout = ranks[0][1].kv_layout if ranks else ""
         self.transport_name = ranks[0][1].transport if ranks else ""
+        self.keyed_by_tokens = bool(ranks and ranks[0][1].keyed_by_tokens)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
@@ -70,7 +73,10 @@ class DisaggScheduler:
             return
         self._pulled.add(request.request_id)  # never pull twice (recompute, preemption)
         local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
-        self._loads.append(self._plan_load(request.request_id, params, local))
+        load = self._plan_load(request.request_id, params, local)
+        if self.keyed_by_tokens and not load.error:
+            load = dataclasses.replace(load, prompt_token_ids=tuple(request.prompt_token_ids))
+        self._loads.append(load)
 
     def _plan_load(self, req_id: str, raw: dict[str, Any], local: list[int]) -> LoadSpec:
         try:
@@ -89,7 +95,8 @@ class DisaggScheduler:
                         handoff_id=p.remote_request_id, token=p.kvdisagg.token,
                         transport=p.kvdisagg.transport,
                         kv_layout=p.kvdisagg.kv_layout, remote_block_ids=tuple(remote),
-                        local_block_ids=tuple(local), release_only=not local)
+                        local_block_ids=tuple(local),
+                        first_block=len(p.remote_block_ids) - len(local), release_only=not local)
 
     def build_connector_meta(self) -> DisaggMetadata:
         meta = DisaggMetadata(sends=self._sends, loads=self._loads)
@@ -107,8 +114,9 @@ class DisaggScheduler:
                 (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)):
             return False, None
         token = secrets.token_urlsafe(16)
+        tokens = tuple(request.prompt_token_ids) if self.keyed_by_tokens else ()
         self._sends.append(SendSpec(request.request_id, token, tuple(block_ids),
-                                    self.config.lease_seconds))
+                                    self.config.lease_seconds, tokens))
         return True, handoff_params(
             engine_id=self.engine_id, request_id=request.request_id, block_ids=block_ids,
             host=self.config.side_channel_host, ports=self.ports,

@@ -1,7 +1,7 @@
 """Worker side of DisaggConnector (runs in each vLLM worker process).
 
-Prefill: registers the KV memory with a side-channel server and serves granted pulls.
-Decode: runs each planned pull on a thread pool straight into the request's blocks, and reports
+Prefill: registers the KV memory with the transport and offers each finished request's blocks.
+Decode: runs each planned fetch on a thread pool straight into the request's blocks, and reports
 every load exactly once, done or failed, so vLLM's kv_load_failure_policy decides.
 
 Must not import connector/scheduler.py.
@@ -16,12 +16,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from kvdisagg.config import ConnectorConfig
-from kvdisagg.connector.layout import LayerRegion, layer_regions, layout_fingerprint
 from kvdisagg.connector.metadata import DisaggMetadata, LoadSpec, WorkerHandshake
 from kvdisagg.connector.stats import DisaggStats
-from kvdisagg.connector.side_channel import HandoffTable, SideChannelServer, pull
 from kvdisagg.errors import KvDisaggError
-from kvdisagg.transport import load_transport
+from kvdisagg.layout import layer_regions, layout_fingerprint
+from kvdisagg.transport import Fetch, Offer, load_transport
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -38,11 +37,9 @@ class DisaggWorker:
         self.vllm_config, self.config = vllm_config, config
         self.is_producer = kv.is_kv_producer
         self.tp_rank = get_tensor_model_parallel_rank()
-        self.transport = load_transport(config.transport)
-        self.table = HandoffTable()
-        self.regions: list[LayerRegion] = []
+        self.transport = load_transport(config, self.tp_rank)
         self.kv_layout = ""
-        self.server: SideChannelServer | None = None
+        self.port = 0
         self.stats = DisaggStats()
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvdisagg-pull")
         self._inflight: dict[str, Future[int]] = {}
@@ -52,34 +49,31 @@ class DisaggWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         model = self.vllm_config.model_config
-        self.regions = layer_regions(kv_caches)
+        block_size = self.vllm_config.cache_config.block_size
         self.kv_layout = layout_fingerprint(
-            model=model.model, dtype=str(model.dtype),
-            block_size=self.vllm_config.cache_config.block_size,
+            model=model.model, dtype=str(model.dtype), block_size=block_size,
             tp_size=self.vllm_config.parallel_config.tensor_parallel_size, kv_caches=kv_caches)
-        if self.is_producer:
-            port = self.config.side_channel_port
-            self.server = SideChannelServer(
-                self.config.side_channel_host, port + self.tp_rank if port else 0,
-                kv_layout=self.kv_layout, regions=self.regions, transport=self.transport,
-                table=self.table, timeout_s=self.config.transfer_timeout_seconds)
-            logger.info("kvdisagg: side channel of TP rank %d on %s:%d (layout %s)",
-                        self.tp_rank, self.config.side_channel_host, self.server.port,
-                        self.kv_layout)
+        self.port = self.transport.register(layer_regions(kv_caches), kv_layout=self.kv_layout,
+                                            block_size=block_size, is_producer=self.is_producer)
+        logger.info("kvdisagg: %s transport on TP rank %d (layout %s, side channel %s:%d)",
+                    self.transport.name, self.tp_rank, self.kv_layout,
+                    self.config.side_channel_host, self.port)
 
     def handshake(self) -> WorkerHandshake:
-        return WorkerHandshake(port=self.server.port if self.server else 0,
-                               kv_layout=self.kv_layout, transport=self.transport.name)
+        return WorkerHandshake(port=self.port, kv_layout=self.kv_layout,
+                               transport=self.transport.name,
+                               keyed_by_tokens=getattr(self.transport, "keyed_by_tokens", False))
 
     def start_load_kv(self, meta: DisaggMetadata) -> None:
         for send in meta.sends:
-            self.table.add(send.req_id, send.token, send.block_ids, send.lease_s)
+            self.transport.offer(Offer(send.req_id, send.token, send.block_ids, send.lease_s,
+                                       send.prompt_token_ids))
         for load in meta.loads:
-            future = self._pool.submit(self._pull, load)
+            future = self._pool.submit(self._fetch, load)
             if not load.release_only:
                 self._inflight[load.req_id] = future
 
-    def _pull(self, load: LoadSpec) -> int:
+    def _fetch(self, load: LoadSpec) -> int:
         if load.error:
             raise KvDisaggError(load.error)
         if load.transport != self.transport.name:
@@ -87,12 +81,12 @@ class DisaggWorker:
                                 f"instance {self.transport.name!r}")
         start = time.perf_counter()
         try:
-            nbytes = pull(host=load.host, port=load.ports[self.tp_rank],
-                          handoff_id=load.handoff_id, token=load.token,
-                          kv_layout=load.kv_layout, remote_block_ids=load.remote_block_ids,
-                          local_regions=self.regions, local_block_ids=load.local_block_ids,
-                          transport=self.transport,
-                          timeout_s=self.config.transfer_timeout_seconds)
+            nbytes = self.transport.fetch(Fetch(
+                handoff_id=load.handoff_id, token=load.token, host=load.host,
+                port=load.ports[self.tp_rank], kv_layout=load.kv_layout,
+                remote_block_ids=load.remote_block_ids, local_block_ids=load.local_block_ids,
+                prompt_token_ids=load.prompt_token_ids, first_block=load.first_block),
+                self.config.transfer_timeout_seconds)
         except Exception:
             with self._lock:
                 self.stats.add(pull_failures=1)
@@ -115,7 +109,7 @@ class DisaggWorker:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving). Never blocks."""
         self._finished_seen |= finished_req_ids
-        self._released_unseen |= self.table.take_finished()
+        self._released_unseen |= self.transport.take_released()
         # vLLM only accepts a finished send once it has itself finished the request.
         sending = self._released_unseen & self._finished_seen
         self._released_unseen -= sending
@@ -132,6 +126,5 @@ class DisaggWorker:
         return sending, recving, failed
 
     def shutdown(self) -> None:
-        if self.server:
-            self.server.close()
+        self.transport.close()
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import socket
-from typing import Sequence
+from typing import Any, Sequence
 
+from kvdisagg.layout import CopyRun, run_tensor
+from kvdisagg.transport.pull import Deadline
 from kvdisagg.transport.tcp import TcpTransport
 
 
 class CorruptingTcpTransport(TcpTransport):
-    """Receives like tcp, then overwrites the KV it received with garbage.
+    """Receives like tcp, then reverses the KV bytes it received in place.
 
     Proves the end-to-end tests can fail: decode output must change when the moved bytes do.
     Load it with ``"transport": "kvdisagg.testing.faults:CorruptingTcpTransport"`` on decode.
     """
 
-    def recv(self, sock: socket.socket, views: Sequence[memoryview]) -> None:
-        super().recv(sock, views)
-        for view in views:
-            view[:] = bytes(reversed(view))  # same bytes, wrong places: plausible but wrong
+    name = "tcp"  # prefill serves it as tcp
+
+    def recv(self, peer: Any, sock: socket.socket, runs: Sequence[CopyRun],
+             deadline: Deadline) -> None:
+        super().recv(peer, sock, runs, deadline)
+        for run in runs:
+            tensor = run_tensor(self.regions, run, "dst")
+            tensor.copy_(tensor.flip(-1))  # same bytes, wrong places: plausible but wrong

@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 from typing import Mapping, Sequence
 
-__all__ = ["VllmServer", "free_port", "metric_value", "VllmServerError"]
+__all__ = ["LMCacheServer", "VllmServer", "free_port", "metric_value", "VllmServerError"]
 
 
 class VllmServerError(RuntimeError):
@@ -179,6 +179,49 @@ class VllmServer:
         if self.proc is None:
             self.start()
         return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class LMCacheServer:
+    """LMCache's own server (``python -m lmcache.v1.server HOST PORT cpu``) on loopback."""
+
+    def __init__(self, port: int | None = None, log_path: str | Path | None = None) -> None:
+        self.port = port if port is not None else free_port()
+        self.url = f"lm://127.0.0.1:{self.port}"
+        self.log_path = Path(log_path) if log_path else Path(
+            os.environ.get("TMPDIR", "/tmp")) / f"kvdisagg-lmcache-{self.port}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 60.0) -> "LMCacheServer":
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(self.port), "cpu"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise VllmServerError(f"LMCache server exited ({self.proc.returncode}):\n"
+                                      + _tail(self.log_path))
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return self
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise VllmServerError(f"LMCache server not listening after {timeout_s:.0f}s:\n"
+                              + _tail(self.log_path))
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+    def __enter__(self) -> "LMCacheServer":
+        return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()

@@ -1,5 +1,5 @@
-"""Transports move a granted pull's KV bytes; they never decide what may be read."""
+"""Transports move a handoff's KV between workers; they never decide what may be read."""
 
-from kvdisagg.transport.base import Transport, load_transport
+from kvdisagg.transport.base import TRANSPORTS, Fetch, Offer, Transport, load_transport
 
-__all__ = ["Transport", "load_transport"]
+__all__ = ["TRANSPORTS", "Fetch", "Offer", "Transport", "load_transport"]

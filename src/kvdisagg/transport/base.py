@@ -1,49 +1,120 @@
-"""The Transport interface and the registry that resolves ``transport`` names.
+"""The Transport interface, what crosses it, and the registry that resolves ``transport`` names.
 
-The side channel (connector/side_channel.py) authenticates a pull and decides which blocks it
-covers; the transport only moves those bytes. Views are given in stream order (see layout.py).
-A transport is a name in TRANSPORTS or ``module:Class`` for a user's own.
+A transport owns the whole data path of a handoff between one prefill worker and one decode
+worker: prefill *offers* a finished request's blocks, decode *fetches* them into its own blocks,
+and prefill learns which offers it may free. Pull transports (tcp, nccl, mooncake) keep the
+blocks in prefill's memory until decode has read them (transport/pull.py); the store transport
+(lmcache) copies them out to a server at once and frees them.
+
+The calls are blocking and bounded: the worker runs ``fetch`` on a thread pool and polls
+``take_released`` every step, which is simpler than a submit/poll pair and costs nothing here.
+
+A transport is a name in TRANSPORTS or ``module:Class`` for a user's own; its constructor takes
+``(config, tp_rank)``.
 """
 
 from __future__ import annotations
 
 import importlib
-import socket
-from typing import Callable, ClassVar, Protocol, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Protocol, Sequence
 
 from kvdisagg.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvdisagg.config import ConnectorConfig
+    from kvdisagg.layout import LayerRegion
+
+
+@dataclass(frozen=True)
+class Offer:
+    """Prefill: the blocks of finished request ``handoff_id`` (its KV in prompt order)."""
+
+    handoff_id: str
+    token: str
+    block_ids: tuple[int, ...]
+    lease_s: float
+    prompt_token_ids: tuple[int, ...] = ()  # store transports key chunks by token prefix
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """Decode: fill ``local_block_ids`` with prefill's ``remote_block_ids`` (same length; may be
+    empty: then only release). ``first_block`` is the index of the first one in the prompt."""
+
+    handoff_id: str
+    token: str
+    host: str
+    port: int
+    kv_layout: str
+    remote_block_ids: tuple[int, ...]
+    local_block_ids: tuple[int, ...]
+    prompt_token_ids: tuple[int, ...] = ()
+    first_block: int = 0
 
 
 class Transport(Protocol):
     name: ClassVar[str]
 
-    def send(self, sock: socket.socket, views: Sequence[memoryview]) -> None:
-        """Prefill worker: deliver the views of an accepted Read to the puller."""
+    def register(self, regions: Sequence[LayerRegion], *, kv_layout: str, block_size: int,
+                 is_producer: bool) -> int:
+        """Take the worker's KV memory; return the side-channel port to advertise (0: none)."""
         ...
 
-    def recv(self, sock: socket.socket, views: Sequence[memoryview]) -> None:
-        """Decode worker: fill the views with the bytes of an accepted Read."""
+    def offer(self, offer: Offer) -> None:
+        """Prefill: make an offer's blocks available to the decode that holds its token."""
         ...
 
+    def fetch(self, fetch: Fetch, timeout_s: float) -> int:
+        """Decode: copy a handoff into local blocks within ``timeout_s``; return bytes moved.
+        Raises TransportError (or IncompatiblePeerError)."""
+        ...
 
-def _tcp() -> type[Transport]:
-    from kvdisagg.transport.tcp import TcpTransport
+    def take_released(self) -> set[str]:
+        """Prefill: ids of offers whose blocks may now be freed (each reported once)."""
+        ...
 
-    return TcpTransport
-
-
-TRANSPORTS: dict[str, Callable[[], type[Transport]]] = {"tcp": _tcp}
+    def close(self) -> None: ...
 
 
-def load_transport(name: str) -> Transport:
-    """Instantiate a transport by name or ``module:Class``; a bad name is a ConfigError."""
+@dataclass(frozen=True)
+class _Entry:
+    module: str
+    cls: str
+    install: str  # how to get the dependency, shown when the import fails
+
+
+TRANSPORTS: dict[str, _Entry] = {
+    "tcp": _Entry("kvdisagg.transport.tcp", "TcpTransport", ""),
+    "nccl": _Entry("kvdisagg.transport.nccl", "NcclTransport", "pip install torch"),
+    "mooncake": _Entry("kvdisagg.transport.mooncake", "MooncakeTransport",
+                       "pip install 'kvdisagg[mooncake]' (GPU hosts: 'kvdisagg[mooncake-gpu]') "
+                       "and apt-get install -y libibverbs1"),
+    "lmcache": _Entry("kvdisagg.transport.lmcache", "LMCacheTransport",
+                      "pip install 'kvdisagg[lmcache]'"),
+}
+
+
+def transport_class(name: str) -> type[Transport]:
+    """Resolve a name or ``module:Class``; a missing dependency says how to install it."""
     if name in TRANSPORTS:
-        return TRANSPORTS[name]()()
-    module, _, cls = name.partition(":")
-    if not cls:
-        raise ConfigError(f"transport={name!r}: unknown; choose one of {sorted(TRANSPORTS)} "
-                          "or give 'module:Class'")
+        entry = TRANSPORTS[name]
+        module_name, cls_name, install = entry.module, entry.cls, entry.install
+    else:
+        module_name, _, cls_name = name.partition(":")
+        install = ""
+        if not cls_name:
+            raise ConfigError(f"transport={name!r}: unknown; choose one of {sorted(TRANSPORTS)} "
+                              "or give 'module:Class'")
     try:
-        return getattr(importlib.import_module(module), cls)()
-    except (ImportError, AttributeError) as exc:
+        return getattr(importlib.import_module(module_name), cls_name)
+    except ImportError as exc:
+        hint = f"; install it with: {install}" if install else ""
+        raise ConfigError(f"transport={name!r} needs a missing dependency ({exc}){hint}") from None
+    except AttributeError as exc:
         raise ConfigError(f"transport={name!r}: cannot load: {exc}") from None
+
+
+def load_transport(config: ConnectorConfig, tp_rank: int = 0) -> Transport:
+    return transport_class(config.transport)(config, tp_rank)
+

@@ -1,0 +1,105 @@
+"""KV geometry: which bytes a block is, and whether two workers' blocks are interchangeable.
+
+vLLM hands each worker one tensor per attention layer, ``[num_blocks, ...]`` with one block of
+one layer contiguous (CPU_ATTN: ``[num_blocks, kv_heads, block_size, 2*head_dim]``; CUDA HND is
+the same shape order under ``LBHNC``). Block contents may be packed per instruction set, so blocks
+move as opaque bytes between workers whose layout fingerprints match.
+
+A pull is a list of CopyRuns (layer-major, then in the order of the handoff's blocks): both
+sides derive the same list from the two block-id lists, so every transport moves the same ranges
+in the same order (for tcp that is also the byte stream):
+
+    layer 0: [b3 b4 -> d7 d8][b9 -> d2]   layer 1: [b3 b4 -> d7 d8][b9 -> d2]   ...
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+
+@dataclass(frozen=True)
+class LayerRegion:
+    name: str
+    pages: Any  # torch.Tensor [num_blocks, page_bytes] uint8 view of the layer's KV
+    page_bytes: int
+    num_blocks: int
+
+
+def layer_regions(kv_caches: dict[str, Any]) -> list[LayerRegion]:
+    """Per-layer uint8 page views of the tensors vLLM registered, in vLLM's layer order."""
+    regions = []
+    for name, tensor in kv_caches.items():
+        if not tensor.is_contiguous():
+            raise ValueError(f"KV cache of layer {name} is not contiguous; DisaggConnector "
+                             "needs one contiguous range per block (layout LBHNC/HND)")
+        num_blocks = tensor.shape[0]
+        pages = tensor.view(-1).view(dtype=_uint8()).view(num_blocks, -1)
+        regions.append(LayerRegion(name, pages, pages.shape[1], num_blocks))
+    return regions
+
+
+def _uint8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+def layout_fingerprint(*, model: str, dtype: str, block_size: int, tp_size: int,
+                       kv_caches: dict[str, Any]) -> str:
+    """Compatibility hash: equal only if raw blocks can be copied between the two workers."""
+    parts = [f"model={model}", f"dtype={dtype}", f"block_size={block_size}", f"tp={tp_size}",
+             f"machine={platform.machine()}"]
+    parts += [f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in kv_caches.items()]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class CopyRun:
+    """``count`` consecutive blocks of one layer: prefill's ``src``.. into decode's ``dst``.."""
+
+    layer: int
+    src: int
+    dst: int
+    count: int
+
+
+def copy_runs(num_layers: int, src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[CopyRun]:
+    """Pair prefill blocks with decode blocks and coalesce where both sides are consecutive.
+
+    Both sides compute the same list from the same ids, so a two-sided transport (nccl) posts
+    matching sends and receives, and a one-sided one (mooncake) gets one range per run.
+
+    >>> [(r.src, r.dst, r.count) for r in copy_runs(1, [3, 4, 5, 9], [7, 8, 2, 3])]
+    [(3, 7, 2), (5, 2, 1), (9, 3, 1)]
+    """
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
+    pairs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_ids, dst_ids):
+        if pairs and s == pairs[-1][0] + pairs[-1][2] and d == pairs[-1][1] + pairs[-1][2]:
+            pairs[-1] = (pairs[-1][0], pairs[-1][1], pairs[-1][2] + 1)
+        else:
+            pairs.append((s, d, 1))
+    return [CopyRun(layer, s, d, n) for layer in range(num_layers) for s, d, n in pairs]
+
+
+def run_tensor(regions: Sequence[LayerRegion], run: CopyRun, side: str) -> Any:
+    """The (contiguous) memory of ``run`` on this side: ``side`` is "src" or "dst"."""
+    first = run.src if side == "src" else run.dst
+    return regions[run.layer].pages[first:first + run.count]
+
+
+def run_bytes(regions: Sequence[LayerRegion], runs_: Sequence[CopyRun]) -> int:
+    return sum(regions[r.layer].page_bytes * r.count for r in runs_)
+
+
+def check_blocks(regions: Sequence[LayerRegion], block_ids: Sequence[int]) -> str:
+    """'' if every id names a block of every layer, else why not (ids come off the wire)."""
+    if not regions:
+        return "no KV memory registered"
+    limit = min(r.num_blocks for r in regions)
+    bad = [b for b in block_ids if not 0 <= b < limit]
+    return f"block ids {bad[:8]} out of range (0..{limit - 1})" if bad else ""

@@ -1,0 +1,99 @@
+"""The handoff table of a prefill worker: what may be read, by whom, until when.
+
+Shared by every pull transport (transport/pull.py), whatever moves the bytes.
+
+Clients never control what memory is read: a Read names a handoff, proves it holds the handoff's
+random token, and may only list blocks of that handoff; prefill maps them to memory itself.
+Reads of an expired or acknowledged handoff are refused, and a handoff being read is pinned so
+its lease cannot expire under the reader.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+logger = logging.getLogger(__name__)
+
+# A Read may arrive before the worker has learnt of its handoff (that reaches the worker in the
+# next step's connector metadata); wait this long for it before refusing.
+REGISTRATION_GRACE_S = 5.0
+TOMBSTONES = 4096  # ids freed recently: a late Read for one is refused at once, not after a wait
+
+
+@dataclass
+class _Handoff:
+    token: str
+    block_ids: frozenset[int]
+    deadline: float
+    readers: int = 0
+    done: bool = False
+
+
+@dataclass
+class HandoffTable:
+    """Handoffs a prefill worker holds blocks for, keyed by vLLM request id. Thread-safe."""
+
+    _items: dict[str, _Handoff] = field(default_factory=dict)
+    _cond: threading.Condition = field(default_factory=threading.Condition)
+    _gone: OrderedDict[str, str] = field(default_factory=OrderedDict)  # id -> why
+
+    def add(self, req_id: str, token: str, block_ids: Sequence[int], lease_s: float) -> None:
+        with self._cond:
+            self._items[req_id] = _Handoff(token, frozenset(block_ids), time.monotonic() + lease_s)
+            self._cond.notify_all()
+
+    def pin(self, req_id: str, token: str, block_ids: Sequence[int], wait_s: float) -> str:
+        """Check a Read and pin the handoff; return '' if granted, else why not."""
+        with self._cond:
+            self._cond.wait_for(lambda: req_id in self._items or req_id in self._gone,
+                                timeout=wait_s)
+            h = self._items.get(req_id)
+            if h is None:
+                return f"handoff {req_id!r} {self._gone.get(req_id, 'unknown')}"
+            if not hmac.compare_digest(h.token, token):
+                return f"wrong token for handoff {req_id!r}"
+            if h.done or time.monotonic() > h.deadline:
+                return f"handoff {req_id!r} expired or already released"
+            outside = set(block_ids) - h.block_ids
+            if outside:
+                return f"blocks {sorted(outside)[:8]} are not part of handoff {req_id!r}"
+            h.readers += 1
+            return ""
+
+    def unpin(self, req_id: str) -> None:
+        with self._cond:
+            if (h := self._items.get(req_id)) is not None:
+                h.readers -= 1
+
+    def release(self, req_id: str, token: str) -> bool:
+        with self._cond:
+            h = self._items.get(req_id)
+            if h is None or not hmac.compare_digest(h.token, token):
+                return False
+            h.done = True
+            return True
+
+    def take_finished(self) -> set[str]:
+        """Ids acknowledged, or whose lease ran out while nobody reads them; removed."""
+        now = time.monotonic()
+        with self._cond:
+            out = {rid for rid, h in self._items.items()
+                   if h.readers == 0 and (h.done or now > h.deadline)}
+            for rid in out:
+                expired = not self._items.pop(rid).done
+                if expired:
+                    logger.warning("kvdisagg: handoff %s lease expired unread; freeing", rid)
+                self._gone[rid] = "expired unread" if expired else "already released"
+                if len(self._gone) > TOMBSTONES:
+                    self._gone.popitem(last=False)
+            return out
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._items)

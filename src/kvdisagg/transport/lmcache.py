@@ -1,0 +1,336 @@
+"""``lmcache``: KV goes through an LMCache server, in chunks keyed by a hash of the token prefix.
+
+Prefill stores a finished request's KV as chunks of ``lmcache_chunk_tokens`` tokens (a chunk is
+its blocks' pages, layer-major) and frees the blocks as soon as they are stored; decode fetches
+the chunks that cover the blocks it needs. A chunk's key hashes the layout and every token up to
+its end, so any later request with the same prefix (the next turn of a chat, a shared document)
+finds it: the prefill side looks its prompt up before computing (``PrefixLookup``) and loads the
+stored chunks instead of recomputing them.
+
+The wire is LMCache's own protocol (``lmcache.v1.protocol``: ClientMetaMessage, ServerMetaMessage,
+CacheEngineKey), spoken over our own socket with a deadline on every call: LMCache's client
+(``LMCServerConnector``) has no timeouts and needs its local CPU backend and allocator, which a
+connector that already owns vLLM's KV memory does not want. Keys and bytes are what LMCache's
+server stores; nothing here is a copy of its protocol.
+
+The server trusts its clients (any client can read any key) and its CPU backend never evicts:
+run it on the serving network only, sized for the working set (docs/operations.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar, Sequence
+
+import torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryFormat
+from lmcache.v1.protocol import (ClientCommand, ClientMetaMessage, ServerMetaMessage,
+                                 ServerReturnCode)
+
+from kvdisagg.config import LMCACHE_URL, ConnectorConfig
+from kvdisagg.errors import (ConfigError, PeerUnreachable, TransferFailed, TransferTimeout,
+                             TransportError)
+from kvdisagg.layout import LayerRegion, check_blocks, copy_runs, run_tensor
+from kvdisagg.protocol import recv_into_exact
+from kvdisagg.transport.base import Fetch, Offer
+from kvdisagg.transport.pull import Deadline
+from kvdisagg.transport.tcp import host_bytes
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.01  # decode polls for chunks prefill has not stored yet
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Chunk ``index`` of a prompt: its key, and its blocks (indices in the prompt)."""
+
+    index: int
+    key: CacheEngineKey
+    first_block: int
+    num_blocks: int
+
+
+def chunk_plan(prompt: Sequence[int], *, kv_layout: str, block_size: int, chunk_tokens: int,
+               rank: int) -> list[Chunk]:
+    """The chunks of ``prompt``: full ones, then a partial last one. Key i hashes the layout and
+    tokens [0, end of chunk i), so equal prefixes give equal keys on every host. The layout
+    fingerprint already covers the TP size, so LMCache's ``world_size`` field is left at 1."""
+    blocks_per_chunk = chunk_tokens // block_size
+    digest = hashlib.blake2b(kv_layout.encode(), digest_size=16)
+    chunks = []
+    for index, start in enumerate(range(0, len(prompt), chunk_tokens)):
+        tokens = prompt[start:start + chunk_tokens]
+        digest.update(struct.pack(f"<{len(tokens)}q", *tokens))
+        step = digest.copy()
+        step.update(struct.pack("<q", len(tokens)))  # a partial chunk never equals a full one
+        key = CacheEngineKey(model_name=f"kvdisagg-{kv_layout}", world_size=1,
+                             worker_id=rank, chunk_hash=int.from_bytes(step.digest(), "big"),
+                             dtype=torch.uint8)
+        chunks.append(Chunk(index, key, index * blocks_per_chunk,
+                            -(-len(tokens) // block_size)))
+    return chunks
+
+
+class LMCacheClient:
+    """One connection to an LMCache server; every call bounded by the deadline it is given."""
+
+    def __init__(self, url: str) -> None:
+        match = LMCACHE_URL.fullmatch(url)
+        if match is None:
+            raise ConfigError(f"lmcache_url={url!r}: expected 'lm://host:port'")
+        self.url = url
+        self.address = (match["host"].strip("[]"), int(match["port"]))
+        self._sock: socket.socket | None = None
+
+    def _connect(self, deadline: Deadline) -> socket.socket:
+        if self._sock is None:
+            try:
+                self._sock = socket.create_connection(self.address, timeout=deadline.left())
+            except TransferTimeout:
+                raise
+            except OSError as exc:
+                raise PeerUnreachable(f"LMCache server {self.url} unreachable: {exc}") from None
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock.settimeout(deadline.left())
+        return self._sock
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _call(self, deadline: Deadline, fn: Any) -> Any:
+        """Run ``fn(sock)``; a broken or timed-out connection is closed (never reused
+        half-read) and becomes a typed error."""
+        try:
+            return fn(self._connect(deadline))
+        except TransportError:
+            self.close()
+            raise
+        except socket.timeout:
+            self.close()
+            raise TransferTimeout(f"{deadline.what}: LMCache server {self.url} did not answer "
+                                  f"within {deadline.seconds:.1f}s") from None
+        except OSError as exc:
+            self.close()
+            raise TransferFailed(f"{deadline.what}: LMCache server {self.url}: {exc}") from None
+
+    @staticmethod
+    def _header(command: ClientCommand, key: CacheEngineKey, length: int = 0) -> bytes:
+        return ClientMetaMessage(command, key, length, MemoryFormat.BINARY, torch.uint8,
+                                 torch.Size([length, 0, 0, 0])).serialize()
+
+    @staticmethod
+    def _reply(sock: socket.socket) -> ServerMetaMessage:
+        raw = bytearray(ServerMetaMessage.packlength())
+        recv_into_exact(sock, memoryview(raw))
+        try:
+            return ServerMetaMessage.deserialize(bytes(raw))
+        except ValueError as exc:  # an unknown return code or format: not an LMCache server
+            raise TransferFailed(f"LMCache server sent a malformed reply: {exc}") from None
+
+    def exists(self, key: CacheEngineKey, deadline: Deadline) -> bool:
+        def call(sock: socket.socket) -> bool:
+            sock.sendall(self._header(ClientCommand.EXIST, key))
+            return self._reply(sock).code == ServerReturnCode.SUCCESS
+        return self._call(deadline, call)
+
+    def put(self, key: CacheEngineKey, parts: Sequence[memoryview], deadline: Deadline) -> None:
+        """Store the concatenation of ``parts`` (no reply in LMCache's protocol)."""
+        def call(sock: socket.socket) -> None:
+            sock.sendall(self._header(ClientCommand.PUT, key, sum(p.nbytes for p in parts)))
+            for part in parts:
+                sock.sendall(part)
+        self._call(deadline, call)
+
+    def get_into(self, key: CacheEngineKey, out: memoryview, deadline: Deadline) -> bool:
+        """Read the value of ``key`` into ``out`` (exactly its size); False if absent."""
+        def call(sock: socket.socket) -> bool:
+            sock.sendall(self._header(ClientCommand.GET, key))
+            reply = self._reply(sock)
+            if reply.code != ServerReturnCode.SUCCESS:
+                return False
+            if reply.length != out.nbytes:
+                self.close()  # the value is still on the wire: drop the connection
+                raise TransferFailed(f"LMCache chunk {key.to_string()} holds {reply.length} "
+                                     f"bytes, expected {out.nbytes} (another layout?)")
+            recv_into_exact(sock, out)
+            return True
+        return self._call(deadline, call)
+
+
+class PrefixLookup:
+    """Scheduler side of a prefill instance: how many leading tokens of a prompt are already
+    stored (whole chunks, on every TP rank), so vLLM loads them instead of computing them."""
+
+    def __init__(self, config: ConnectorConfig, block_size: int, tp_size: int) -> None:
+        self.config, self.block_size, self.tp_size = config, block_size, tp_size
+        self._client = LMCacheClient(config.lmcache_url)
+        self._lock = threading.Lock()
+
+    def __call__(self, prompt: Sequence[int], kv_layout: str) -> int:
+        chunk_tokens = self.config.lmcache_chunk_tokens
+        plans = [chunk_plan(prompt, kv_layout=kv_layout, block_size=self.block_size,
+                            chunk_tokens=chunk_tokens, rank=rank) for rank in range(self.tp_size)]
+        deadline = Deadline(min(self.config.transfer_timeout_seconds, 2.0), "LMCache lookup")
+        tokens = 0
+        try:
+            with self._lock:
+                for chunks in zip(*plans):
+                    full = chunks[0].num_blocks * self.block_size == chunk_tokens
+                    if not full or not all(self._client.exists(c.key, deadline)
+                                           for c in chunks):
+                        break
+                    tokens += chunk_tokens
+        except TransportError as exc:  # no server: compute everything, as without a cache
+            logger.warning("kvdisagg: LMCache lookup failed: %s", exc)
+        return tokens
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class _Geometry:
+    """Where block k of a chunk sits inside the chunk's bytes (layer-major)."""
+
+    def __init__(self, regions: Sequence[LayerRegion], blocks: int) -> None:
+        self.page_bytes = [r.page_bytes for r in regions]
+        self.layer_offsets, offset = [], 0
+        for page in self.page_bytes:
+            self.layer_offsets.append(offset)
+            offset += page * blocks
+        self.nbytes = offset
+
+
+class LMCacheTransport:
+    name: ClassVar[str] = "lmcache"
+    keyed_by_tokens: ClassVar[bool] = True
+
+    def __init__(self, config: ConnectorConfig, tp_rank: int = 0) -> None:
+        self.config, self.tp_rank = config, tp_rank
+        self.regions: list[LayerRegion] = []
+        self.kv_layout, self.block_size = "", 0
+        self._local = threading.local()
+        self._clients: list[LMCacheClient] = []
+        self._clients_lock = threading.Lock()
+        self._stores: queue.Queue[Offer | None] = queue.Queue()
+        self._released: set[str] = set()
+        self._released_lock = threading.Lock()
+        self._store_thread: threading.Thread | None = None
+
+    # ---- Transport ------------------------------------------------------------------------
+    def register(self, regions: Sequence[LayerRegion], *, kv_layout: str, block_size: int,
+                 is_producer: bool) -> int:
+        if self.config.lmcache_chunk_tokens % block_size:
+            raise ConfigError(f"lmcache_chunk_tokens={self.config.lmcache_chunk_tokens} must be "
+                              f"a multiple of vLLM's block size {block_size}")
+        self.regions, self.kv_layout, self.block_size = list(regions), kv_layout, block_size
+        if is_producer:
+            self._store_thread = threading.Thread(target=self._store_loop, daemon=True,
+                                                  name="kvdisagg-lmcache-store")
+            self._store_thread.start()
+        return 0  # no side channel: the server is the rendezvous
+
+    def chunks(self, prompt: Sequence[int]) -> list[Chunk]:
+        return chunk_plan(prompt, kv_layout=self.kv_layout, block_size=self.block_size,
+                          chunk_tokens=self.config.lmcache_chunk_tokens,
+                          rank=self.tp_rank)
+
+    def offer(self, offer: Offer) -> None:
+        self._stores.put(offer)
+
+    def take_released(self) -> set[str]:
+        with self._released_lock:
+            out, self._released = self._released, set()
+        return out
+
+    def fetch(self, fetch: Fetch, timeout_s: float) -> int:
+        """Fill local blocks with prompt blocks ``first_block``..; chunks prefill has not
+        stored yet are waited for until the deadline."""
+        deadline = Deadline(timeout_s, f"fetch of {fetch.handoff_id or 'prefix'} from LMCache")
+        if fetch.kv_layout != self.kv_layout:
+            raise TransferFailed(f"handoff kv_layout {fetch.kv_layout} != {self.kv_layout}")
+        if error := check_blocks(self.regions, fetch.local_block_ids):
+            raise TransferFailed(f"local {error}")
+        wanted = range(fetch.first_block, fetch.first_block + len(fetch.local_block_ids))
+        prompt_blocks = -(-len(fetch.prompt_token_ids) // self.block_size)
+        if fetch.first_block < 0 or wanted.stop > prompt_blocks:
+            raise TransferFailed(f"blocks {wanted.start}..{wanted.stop - 1} asked of a "
+                                 f"{len(fetch.prompt_token_ids)}-token prompt")
+        client = self._client()
+        nbytes = 0
+        for chunk in self.chunks(fetch.prompt_token_ids):
+            blocks = range(chunk.first_block, chunk.first_block + chunk.num_blocks)
+            needed = [b for b in blocks if b in wanted]
+            if not needed:
+                continue
+            geometry = _Geometry(self.regions, chunk.num_blocks)
+            scratch = torch.empty(geometry.nbytes, dtype=torch.uint8)
+            while not client.get_into(chunk.key, host_bytes(scratch), deadline):
+                time.sleep(min(POLL_S, deadline.left()))
+            for b in needed:
+                dst = fetch.local_block_ids[b - fetch.first_block]
+                for layer, region in enumerate(self.regions):
+                    page = geometry.page_bytes[layer]
+                    at = geometry.layer_offsets[layer] + (b - chunk.first_block) * page
+                    region.pages[dst].copy_(scratch[at:at + page])
+                    nbytes += page
+        return nbytes
+
+    def close(self) -> None:
+        if self._store_thread is not None:
+            self._stores.put(None)
+            self._store_thread.join(timeout=self.config.transfer_timeout_seconds)
+        with self._clients_lock:
+            for client in self._clients:
+                client.close()
+
+    # ---- prefill: store ------------------------------------------------------------------
+    def _client(self) -> LMCacheClient:
+        """One connection per thread (fetches run on a pool; the store on its own thread)."""
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = self._local.client = LMCacheClient(self.config.lmcache_url)
+            with self._clients_lock:
+                self._clients.append(client)
+        return client
+
+    def _store_loop(self) -> None:
+        while (offer := self._stores.get()) is not None:
+            try:
+                self._store(offer)
+            except TransportError as exc:
+                logger.error("kvdisagg: storing %s in LMCache failed: %s", offer.handoff_id, exc)
+            finally:
+                with self._released_lock:  # stored or not, the blocks go back to vLLM
+                    self._released.add(offer.handoff_id)
+
+    def _store(self, offer: Offer) -> None:
+        deadline = Deadline(self.config.transfer_timeout_seconds,
+                            f"store of {offer.handoff_id} in LMCache")
+        client = self._client()
+        if error := check_blocks(self.regions, offer.block_ids):
+            raise TransferFailed(error)
+        for chunk in self.chunks(offer.prompt_token_ids):
+            block_ids = offer.block_ids[chunk.first_block:chunk.first_block + chunk.num_blocks]
+            if len(block_ids) < chunk.num_blocks:
+                raise TransferFailed(f"{len(offer.block_ids)} blocks for a "
+                                     f"{len(offer.prompt_token_ids)}-token prompt")
+            if client.exists(chunk.key, deadline):
+                continue  # a shared prefix, stored by an earlier request
+            runs = copy_runs(len(self.regions), block_ids, range(chunk.num_blocks))
+            client.put(chunk.key, [host_bytes(_on_host(run_tensor(self.regions, r, "src")))
+                                   for r in runs], deadline)
+
+
+def _on_host(tensor: Any) -> Any:
+    return tensor if tensor.device.type == "cpu" else tensor.cpu()

@@ -1,0 +1,123 @@
+"""``mooncake``: decode reads prefill's registered KV memory with Mooncake's TransferEngine.
+
+Both workers register their KV memory with an engine (RDMA on GPU fleets, TCP anywhere).
+Prefill advertises its engine endpoint and each layer's base address in the Hello reply; decode
+then reads granted blocks one-sidedly, one range per CopyRun, in batches within the engine's
+limits. The side channel still decides what may be read: decode asks with the handoff's token,
+prefill pins the handoff, and only after decode's Done may the blocks be freed and reused.
+
+Mooncake reports errors as return codes, never exceptions: every one is checked here.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, ClassVar, Sequence
+
+import msgspec
+
+from kvdisagg.errors import ConfigError, IncompatiblePeerError, TransferFailed
+from kvdisagg.layout import CopyRun, LayerRegion, run_tensor
+from kvdisagg.transport.pull import Deadline, PullTransport
+
+MAX_BATCH = 512  # the TCP transport fails batches over ~1k entries at once ("queue-full")
+
+
+class MemoryInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """Prefill -> decode in the Hello reply: where prefill's KV lives in its engine."""
+
+    endpoint: str
+    bases: list[int]
+    page_bytes: list[int]
+    num_blocks: list[int]
+
+
+def rdma_devices() -> list[str]:
+    try:
+        return sorted(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return []
+
+
+class MooncakeTransport(PullTransport):
+    name: ClassVar[str] = "mooncake"
+
+    def attach(self, regions: Sequence[LayerRegion], is_producer: bool) -> None:
+        from mooncake.engine import TransferEngine
+
+        protocol = self.config.mooncake_protocol
+        if protocol == "auto":
+            protocol = "rdma" if rdma_devices() else "tcp"
+        self.engine = TransferEngine()
+        rc = self.engine.initialize(self.config.side_channel_host,
+                                    self.config.mooncake_metadata_server, protocol,
+                                    self.config.mooncake_device)
+        if rc != 0:
+            raise ConfigError(f"mooncake: TransferEngine.initialize({protocol!r}, device "
+                              f"{self.config.mooncake_device!r}) returned {rc}")
+        self.protocol = protocol
+        self._registered: list[int] = []
+        for addr, nbytes in _spans(regions):
+            rc = self.engine.register_memory(addr, nbytes)
+            if rc != 0:
+                raise ConfigError(f"mooncake: register_memory of {nbytes} bytes returned {rc}")
+            self._registered.append(addr)
+
+    def server_info(self) -> dict[str, Any]:
+        return msgspec.to_builtins(MemoryInfo(
+            endpoint=f"{self.config.side_channel_host}:{self.engine.get_rpc_port()}",
+            bases=[r.pages.data_ptr() for r in self.regions],
+            page_bytes=[r.page_bytes for r in self.regions],
+            num_blocks=[r.num_blocks for r in self.regions]))
+
+    def open_client(self, sock: socket.socket, info: dict[str, Any], deadline: Deadline) -> Any:
+        try:
+            peer = msgspec.convert(info, MemoryInfo)
+        except msgspec.ValidationError as exc:
+            raise TransferFailed(f"mooncake: bad memory info from prefill: {exc}") from None
+        if peer.page_bytes != [r.page_bytes for r in self.regions]:
+            raise IncompatiblePeerError("mooncake: prefill's per-layer page sizes differ")
+        if not (len(peer.bases) == len(peer.num_blocks) == len(self.regions)):
+            raise IncompatiblePeerError("mooncake: prefill advertises another layer count")
+        return peer
+
+    def recv(self, peer: MemoryInfo, sock: socket.socket, runs: Sequence[CopyRun],
+             deadline: Deadline) -> None:
+        local, remote, lengths = [], [], []
+        for run in runs:
+            if run.src + run.count > peer.num_blocks[run.layer]:
+                raise TransferFailed(f"mooncake: block {run.src + run.count - 1} beyond "
+                                     f"prefill's {peer.num_blocks[run.layer]}")
+            page = peer.page_bytes[run.layer]
+            local.append(run_tensor(self.regions, run, "dst").data_ptr())
+            remote.append(peer.bases[run.layer] + run.src * page)
+            lengths.append(run.count * page)
+        for i in range(0, len(local), MAX_BATCH):
+            deadline.left()
+            rc = self.engine.batch_transfer_sync_read(
+                peer.endpoint, local[i:i + MAX_BATCH], remote[i:i + MAX_BATCH],
+                lengths[i:i + MAX_BATCH])
+            if rc != 0:
+                raise TransferFailed(f"mooncake: batch read of {len(lengths[i:i + MAX_BATCH])} "
+                                     f"ranges from {peer.endpoint} returned {rc}")
+
+    def close(self) -> None:
+        super().close()
+        for addr in getattr(self, "_registered", []):
+            self.engine.unregister_memory(addr)
+        self._registered = []
+
+
+def _spans(regions: Sequence[LayerRegion]) -> list[tuple[int, int]]:
+    """Each region's memory, merged where layers are adjacent (vLLM allocates one buffer)."""
+    spans: list[tuple[int, int]] = []
+    for addr, nbytes in sorted((r.pages.data_ptr(), r.page_bytes * r.num_blocks)
+                               for r in regions):
+        if spans and spans[-1][0] + spans[-1][1] == addr:
+            spans[-1] = (spans[-1][0], spans[-1][1] + nbytes)
+        elif spans and addr < spans[-1][0] + spans[-1][1]:
+            raise ConfigError("mooncake: KV regions overlap")
+        else:
+            spans.append((addr, nbytes))
+    return spans

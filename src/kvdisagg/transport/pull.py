@@ -1,0 +1,346 @@
+"""Pull transports: prefill keeps the blocks, decode reads them, then prefill frees them.
+
+The control path is the same for every pull transport: a side channel (TCP, length-prefixed
+msgpack frames, protocol.py) between each decode worker and each prefill worker it reads from,
+opened once and kept:
+
+    decode                               prefill
+    Hello(layout, transport, info)  ->   check; Reply(info)     (once per connection; a
+                                         transport may set up a peer here: nccl joins a group)
+    Read(handoff, token, blocks)    ->   pin the handoff if the token and blocks are its own;
+                                    <-   Reply(nbytes)
+           ... the bytes move: send()/recv() of the subclass (tcp inline, nccl send/recv,
+               mooncake a one-sided read of the memory advertised in the Hello reply) ...
+    Done(handoff, token)            ->   unpin, free                    (one-way)
+
+Subclasses override the data-path hooks below; everything else (auth, leases, pinning, deadlines,
+connection reuse, errors) is here once.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Sequence
+
+from kvdisagg.config import ConnectorConfig
+from kvdisagg.errors import (IncompatiblePeerError, PeerUnreachable, TransferFailed,
+                             TransferTimeout, TransportError)
+from kvdisagg.layout import CopyRun, LayerRegion, check_blocks, copy_runs, run_bytes
+from kvdisagg.protocol import (PROTOCOL_VERSION, Done, Hello, Read, Reply, recv_frame,
+                               send_frame)
+from kvdisagg.transport.base import Fetch, Offer
+from kvdisagg.transport.handoffs import REGISTRATION_GRACE_S, HandoffTable
+
+logger = logging.getLogger(__name__)
+
+IDLE_CONNECTION_S = 600.0  # prefill drops a side-channel connection idle this long
+
+
+class Deadline:
+    """One bound for a whole operation, handed out piecewise to each blocking call."""
+
+    def __init__(self, seconds: float, what: str) -> None:
+        self.seconds, self.what = seconds, what
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise TransferTimeout(f"{self.what} exceeded {self.seconds:.1f}s")
+        return left
+
+
+@dataclass
+class _Connection:
+    """Decode's side of one side-channel connection (used by one pull at a time)."""
+
+    sock: socket.socket
+    peer: Any  # the subclass's per-connection state (open_client)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    uses: int = 0
+
+
+class PullTransport:
+    name: ClassVar[str] = ""
+
+    def __init__(self, config: ConnectorConfig, tp_rank: int = 0) -> None:
+        self.config, self.tp_rank = config, tp_rank
+        self.regions: list[LayerRegion] = []
+        self.kv_layout = ""
+        self.table = HandoffTable()
+        self._listener: socket.socket | None = None
+        self._closed = False
+        self._conns: dict[tuple[str, int], _Connection] = {}
+        self._conns_lock = threading.Lock()
+
+    # ---- data-path hooks (override) ------------------------------------------------------
+    def attach(self, regions: Sequence[LayerRegion], is_producer: bool) -> None:
+        """Both sides, once: the worker's KV memory is known (register it with an engine)."""
+
+    def server_info(self) -> dict[str, Any]:
+        """Prefill: the transport's part of the Hello reply on a new connection."""
+        return {}
+
+    def client_info(self) -> dict[str, Any]:
+        """Decode: the transport's part of Hello."""
+        return {}
+
+    def open_server(self, sock: socket.socket, info: dict[str, Any], sent: dict[str, Any]) -> Any:
+        """Prefill, after replying to Hello (``sent`` is what server_info gave): per-connection
+        state, e.g. a process group with this decode worker."""
+        return None
+
+    def open_client(self, sock: socket.socket, info: dict[str, Any], deadline: Deadline) -> Any:
+        """Decode, after the Hello reply: per-connection state."""
+        return None
+
+    def close_peer(self, peer: Any) -> None:
+        """Either side: a connection's state is no longer needed."""
+
+    def send(self, peer: Any, sock: socket.socket, runs: Sequence[CopyRun],
+             deadline: Deadline) -> None:
+        """Prefill, for a granted Read: deliver ``runs`` (or nothing, for one-sided reads)."""
+
+    def recv(self, peer: Any, sock: socket.socket, runs: Sequence[CopyRun],
+             deadline: Deadline) -> None:
+        """Decode, for a granted Read: fill the local side of ``runs``."""
+        raise NotImplementedError
+
+    # ---- Transport ------------------------------------------------------------------------
+    def register(self, regions: Sequence[LayerRegion], *, kv_layout: str, block_size: int,
+                 is_producer: bool) -> int:
+        self.regions, self.kv_layout = list(regions), kv_layout
+        self.attach(self.regions, is_producer)
+        if not is_producer:
+            return 0
+        port = self.config.side_channel_port
+        self._listener = socket.create_server(
+            (self.config.side_channel_host, port + self.tp_rank if port else 0), backlog=64)
+        threading.Thread(target=self._accept_loop, name=f"kvdisagg-{self.name}-accept",
+                         daemon=True).start()
+        return self._listener.getsockname()[1]
+
+    def offer(self, offer: Offer) -> None:
+        self.table.add(offer.handoff_id, offer.token, offer.block_ids, offer.lease_s)
+
+    def take_released(self) -> set[str]:
+        return self.table.take_finished()
+
+    def fetch(self, fetch: Fetch, timeout_s: float) -> int:
+        deadline = Deadline(timeout_s, f"pull of handoff {fetch.handoff_id} from "
+                                       f"{fetch.host}:{fetch.port}")
+        key = (fetch.host, fetch.port)
+        # A pooled connection may have died since its last use (prefill restarted): one retry
+        # on a fresh one, before anything was granted.
+        for attempt in (0, 1):
+            conn = self._connection(key, deadline)
+            if not conn.lock.acquire(timeout=deadline.left()):
+                raise TransferTimeout(f"{deadline.what}: connection busy past the deadline")
+            try:
+                reused = conn.uses > 0
+                conn.uses += 1
+                return self._pull(conn, fetch, deadline)
+            except _StaleConnection as exc:
+                self._drop(key, conn)
+                if attempt or not reused:
+                    raise TransferFailed(f"{deadline.what}: {exc}") from None
+            except BaseException:
+                self._drop(key, conn)
+                raise
+            finally:
+                conn.lock.release()
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        # shutdown() wakes the thread blocked in accept(); close() alone would leave the
+        # listening socket accepting until that call returns.
+        self._closed = True
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
+        with self._conns_lock:
+            conns, self._conns = list(self._conns.values()), {}
+        for conn in conns:
+            self._close_connection(conn)
+
+    # ---- decode side ----------------------------------------------------------------------
+    def _connection(self, key: tuple[str, int], deadline: Deadline) -> _Connection:
+        with self._conns_lock:
+            conn = self._conns.get(key)
+        if conn is not None:
+            return conn
+        host, port = key
+        try:
+            sock = socket.create_connection(key, timeout=deadline.left())
+        except TransferTimeout:
+            raise
+        except OSError as exc:
+            raise PeerUnreachable(f"prefill side channel {host}:{port} unreachable: {exc}"
+                                  ) from None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(deadline.left())
+            send_frame(sock, Hello(kv_layout=self.kv_layout, transport=self.name,
+                                   info=self.client_info()))
+            reply = recv_frame(sock)
+            if not isinstance(reply, Reply):
+                raise TransferFailed(f"prefill {host}:{port} answered Hello with {reply!r}")
+            if not reply.ok:
+                raise IncompatiblePeerError(f"prefill {host}:{port} refused: {reply.error}")
+            peer = self.open_client(sock, reply.info, deadline)
+        except BaseException as exc:
+            sock.close()
+            if isinstance(exc, socket.timeout):
+                raise TransferTimeout(f"{deadline.what}: handshake timed out") from None
+            if isinstance(exc, OSError):
+                raise TransferFailed(f"handshake with {host}:{port} broke: {exc}") from None
+            raise
+        conn = _Connection(sock, peer)
+        with self._conns_lock:
+            self._conns[key] = conn
+        return conn
+
+    def _drop(self, key: tuple[str, int], conn: _Connection) -> None:
+        with self._conns_lock:
+            if self._conns.get(key) is conn:
+                del self._conns[key]
+        self._close_connection(conn)
+
+    def _close_connection(self, conn: _Connection) -> None:
+        try:
+            self.close_peer(conn.peer)
+        finally:
+            conn.sock.close()
+
+    def _pull(self, conn: _Connection, fetch: Fetch, deadline: Deadline) -> int:
+        sock, where = conn.sock, f"prefill {fetch.host}:{fetch.port}"
+        if fetch.kv_layout != self.kv_layout:
+            raise IncompatiblePeerError(f"handoff kv_layout {fetch.kv_layout} != decode's "
+                                        f"{self.kv_layout}")
+        if error := check_blocks(self.regions, fetch.local_block_ids):
+            raise TransferFailed(f"decode's {error}")
+        try:
+            nbytes = 0
+            if fetch.local_block_ids:
+                runs = copy_runs(len(self.regions), fetch.remote_block_ids,
+                                 fetch.local_block_ids)
+                sock.settimeout(deadline.left())
+                try:
+                    send_frame(sock, Read(handoff_id=fetch.handoff_id, token=fetch.token,
+                                          block_ids=list(fetch.remote_block_ids),
+                                          dst_block_ids=list(fetch.local_block_ids)))
+                    reply = recv_frame(sock)
+                except (OSError, TransferFailed) as exc:
+                    raise _StaleConnection(str(exc)) from None
+                if not isinstance(reply, Reply):
+                    raise TransferFailed(f"{where} answered {reply!r}")
+                if not reply.ok:
+                    raise TransferFailed(f"{where} refused the read: {reply.error}")
+                nbytes = run_bytes(self.regions, runs)
+                if nbytes != reply.nbytes:
+                    raise IncompatiblePeerError(f"{where} sends {reply.nbytes} bytes, "
+                                                f"decode expects {nbytes}")
+                self.recv(conn.peer, sock, runs, deadline)
+            sock.settimeout(deadline.left())
+            send_frame(sock, Done(handoff_id=fetch.handoff_id, token=fetch.token))
+            return nbytes
+        except socket.timeout:
+            raise TransferTimeout(f"{deadline.what} exceeded {deadline.seconds:.1f}s") from None
+        except TransportError:
+            raise
+        except OSError as exc:
+            raise TransferFailed(f"pull from {where} broke: {exc}") from None
+
+    # ---- prefill side ---------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._closed:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(sock,), daemon=True,
+                             name=f"kvdisagg-{self.name}-serve").start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        peer = None
+        timeout = self.config.transfer_timeout_seconds
+        try:
+            with sock:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.settimeout(timeout)
+                hello = recv_frame(sock)
+                error = self._check_hello(hello)
+                info = {} if error else self.server_info()
+                send_frame(sock, Reply(ok=not error, error=error, kv_layout=self.kv_layout,
+                                       info=info))
+                if error:
+                    return
+                assert isinstance(hello, Hello)
+                peer = self.open_server(sock, hello.info, info)
+                while not self._closed:
+                    sock.settimeout(IDLE_CONNECTION_S)
+                    msg = recv_frame(sock)
+                    sock.settimeout(timeout)
+                    self._handle(peer, sock, msg)
+        except (OSError, TransportError) as exc:
+            logger.debug("kvdisagg: side-channel connection ended: %s", exc)
+        finally:
+            if peer is not None:
+                self.close_peer(peer)
+
+    def _check_hello(self, msg: object) -> str:
+        if not isinstance(msg, Hello):
+            return f"expected Hello, got {type(msg).__name__}"
+        if msg.version != PROTOCOL_VERSION:
+            return f"protocol version {msg.version} != prefill's {PROTOCOL_VERSION}"
+        if msg.transport != self.name:
+            return f"transport {msg.transport!r} != prefill's {self.name!r}"
+        if msg.kv_layout != self.kv_layout:
+            return (f"kv_layout differs: prefill {self.kv_layout}, decode {msg.kv_layout} "
+                    "(model, dtype, block size, TP and CPU kind must match)")
+        return ""
+
+    def _handle(self, peer: Any, sock: socket.socket, msg: object) -> None:
+        match msg:
+            case Read(handoff_id=rid, token=token, block_ids=src, dst_block_ids=dst):
+                error = check_blocks(self.regions, src)
+                if not error and len(dst) != len(src):
+                    error = f"{len(src)} blocks to read into {len(dst)}"
+                if not error:
+                    error = self.table.pin(rid, token, src, min(
+                        REGISTRATION_GRACE_S, self.config.transfer_timeout_seconds))
+                if error:
+                    send_frame(sock, Reply(ok=False, error=error))
+                    return
+                try:
+                    runs = copy_runs(len(self.regions), src, dst)
+                    send_frame(sock, Reply(ok=True, nbytes=run_bytes(self.regions, runs)))
+                    deadline = Deadline(self.config.transfer_timeout_seconds,
+                                        f"serving handoff {rid}")
+                    self.send(peer, sock, runs, deadline)
+                    # One-sided reads happen now; the pin holds until decode says Done.
+                    sock.settimeout(deadline.left())
+                    done = recv_frame(sock)
+                    if isinstance(done, Done) and done.handoff_id == rid:
+                        self.table.release(rid, done.token)
+                    else:
+                        raise TransferFailed(f"expected Done for {rid}, got {done!r}")
+                finally:
+                    self.table.unpin(rid)
+            case Done(handoff_id=rid, token=token):
+                if not self.table.release(rid, token):
+                    logger.warning("kvdisagg: Done for unknown handoff %s (or wrong token)", rid)
+            case _:
+                send_frame(sock, Reply(ok=False, error=f"unexpected {type(msg).__name__}"))
+
+
+class _StaleConnection(Exception):
+    """The connection broke before prefill granted anything: safe to retry on a new one."""

@@ -1,0 +1,264 @@
+"""Every transport, one contract: prefill in a peer process (kvdisagg.testing.transport_peer),
+decode here, the same seeded KV on both ends, all on loopback.
+
+tcp, nccl (gloo on CPU), mooncake (its TCP protocol) and lmcache (a real LMCache server).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+import pytest
+import torch
+
+from kvdisagg.config import ConnectorConfig
+from kvdisagg.errors import TransportError
+from kvdisagg.testing.servers import LMCacheServer, free_port
+from kvdisagg.testing.transport_peer import BLOCK_SIZE, KV_LAYOUT, kv_caches, open_transport
+from kvdisagg.transport import Fetch
+
+TRANSPORTS = ["tcp", "nccl", "mooncake", "lmcache"]
+PULL = {"tcp", "nccl", "mooncake"}
+TIMEOUT_S = 3.0
+SEED = 7
+
+
+class Peer:
+    """The prefill side in its own process."""
+
+    def __init__(self, transport: str, extra: dict) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvdisagg.testing.transport_peer", "--transport", transport,
+             "--config", json.dumps(extra), "--seed", str(SEED)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.port = self._read()["port"]
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        assert line, f"transport peer exited ({self.proc.wait(timeout=10)})"
+        return json.loads(line)
+
+    def ask(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def offer(self, handoff_id: str, block_ids: list[int], prompt: list[int],
+              lease_s: float = 30.0) -> str:
+        token = secrets.token_hex(8)
+        assert self.ask(op="offer", handoff_id=handoff_id, token=token, block_ids=block_ids,
+                        prompt=prompt, lease_s=lease_s) == {"ok": True}
+        return token
+
+    def released(self, want: set[str], within_s: float = 5.0) -> set[str]:
+        got: set[str] = set()
+        end = time.monotonic() + within_s
+        while not want <= got and time.monotonic() < end:
+            got |= set(self.ask(op="released")["released"])
+            time.sleep(0.02)
+        return got
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture(scope="module")
+def lmcache_server():
+    with LMCacheServer() as server:
+        yield server
+
+
+@pytest.fixture(params=TRANSPORTS)
+def pair(request):
+    """(name, extra config, peer, decode transport, decode KV)."""
+    name = request.param
+    extra = {"transfer_timeout_seconds": TIMEOUT_S, "side_channel_host": "127.0.0.1"}
+    if name == "lmcache":
+        extra |= {"lmcache_url": request.getfixturevalue("lmcache_server").url,
+                  "lmcache_chunk_tokens": 2 * BLOCK_SIZE}
+    if name == "mooncake":
+        extra |= {"mooncake_protocol": "tcp"}
+    peer = Peer(name, extra)
+    config = msgspec.convert({**extra, "transport": name}, ConnectorConfig)
+    dst = kv_caches(None)
+    decode, _ = open_transport(config, dst, is_producer=False)
+    yield name, extra, peer, decode, dst
+    decode.close()
+    peer.close()
+
+
+def prompt_for(num_blocks: int) -> list[int]:
+    """A random prompt whose last block is partial (as after a real prefill)."""
+    return torch.randint(0, 30000, ((num_blocks - 1) * BLOCK_SIZE + 5,)).tolist()
+
+
+def fetch_of(peer: Peer, handoff_id: str, token: str, remote: list[int], local: list[int],
+             prompt: list[int], first_block: int = 0) -> Fetch:
+    return Fetch(handoff_id=handoff_id, token=token, host="127.0.0.1", port=peer.port,
+                 kv_layout=KV_LAYOUT, remote_block_ids=tuple(remote[first_block:]),
+                 local_block_ids=tuple(local), prompt_token_ids=tuple(prompt),
+                 first_block=first_block)
+
+
+def assert_moved(dst, remote: list[int], local: list[int]) -> None:
+    src = kv_caches(SEED)
+    for layer in src:
+        assert torch.equal(dst[layer][local], src[layer][remote]), layer
+
+
+def test_bytes_arrive_intact_and_the_handoff_is_released(pair):
+    name, _, peer, decode, dst = pair
+    remote, local, prompt = [2, 3, 4, 9], [7, 8, 0, 1], prompt_for(4)
+    token = peer.offer("r1", remote, prompt)
+    nbytes = decode.fetch(fetch_of(peer, "r1", token, remote, local, prompt), TIMEOUT_S)
+    page = dst["layer.0"][0].numel() * 4
+    assert nbytes == 4 * page * len(dst)
+    assert_moved(dst, remote, local)
+    untouched = [b for b in range(32) if b not in local]
+    assert all(torch.count_nonzero(t[untouched]) == 0 for t in dst.values())
+    assert "r1" in peer.released({"r1"})
+
+
+def test_tail_of_a_handoff(pair):
+    """Decode's prefix cache held the first block: only the rest moves."""
+    _, _, peer, decode, dst = pair
+    remote, prompt = [5, 6, 11, 12], prompt_for(4)
+    token = peer.offer("tail", remote, prompt)
+    decode.fetch(fetch_of(peer, "tail", token, remote, [20, 21, 3], prompt, first_block=1),
+                 TIMEOUT_S)
+    assert_moved(dst, [6, 11, 12], [20, 21, 3])
+    assert torch.count_nonzero(dst["layer.0"][0]) == 0
+
+
+def test_many_ranges_and_concurrent_fetches_do_not_mix(pair):
+    _, _, peer, decode, dst = pair
+    g = torch.Generator().manual_seed(3)
+    jobs = []
+    local_free = torch.randperm(32, generator=g).tolist()
+    for i in range(6):
+        remote = torch.randperm(32, generator=g)[:5].tolist()
+        local, local_free = local_free[:5], local_free[5:]
+        prompt = prompt_for(5)
+        jobs.append((f"c{i}", peer.offer(f"c{i}", remote, prompt), remote, local, prompt))
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(lambda j: decode.fetch(fetch_of(peer, *j), TIMEOUT_S), jobs))
+    for _, _, remote, local, _ in jobs:
+        assert_moved(dst, remote, local)
+    assert peer.released({j[0] for j in jobs}) >= {j[0] for j in jobs}
+
+
+def test_out_of_range_blocks_are_refused(pair):
+    name, _, peer, decode, dst = pair
+    prompt = prompt_for(2)
+    token = peer.offer("oob", [2, 3], prompt)
+    with pytest.raises(TransportError, match="out of range"):
+        decode.fetch(fetch_of(peer, "oob", token, [2, 3], [0, 99], prompt), TIMEOUT_S)
+    if name in PULL:  # prefill checks the ids decode asks for
+        with pytest.raises(TransportError, match="out of range"):
+            decode.fetch(fetch_of(peer, "oob", token, [2, 99], [0, 1], prompt), TIMEOUT_S)
+    assert all(torch.count_nonzero(t) == 0 for t in dst.values())
+
+
+@pytest.mark.parametrize("forged", ["token", "blocks"])
+def test_pull_refuses_a_wrong_token_or_foreign_blocks(pair, forged):
+    name, _, peer, decode, _ = pair
+    if name not in PULL:
+        pytest.skip("store transports have no per-handoff grant")
+    prompt = prompt_for(2)
+    token = peer.offer("r2", [2, 3], prompt)
+    fetch = fetch_of(peer, "r2", "forged" if forged == "token" else token,
+                     [2, 5] if forged == "blocks" else [2, 3], [0, 1], prompt)
+    with pytest.raises(TransportError, match="wrong token|not part of handoff"):
+        decode.fetch(fetch, TIMEOUT_S)
+    # A refused read leaves the handoff intact for its rightful owner.
+    decode.fetch(fetch_of(peer, "r2", token, [2, 3], [0, 1], prompt), TIMEOUT_S)
+    assert "r2" in peer.released({"r2"})
+
+
+def test_pull_lease_expiry_frees_and_refuses(pair):
+    name, _, peer, decode, _ = pair
+    if name not in PULL:
+        pytest.skip("store transports free blocks once stored")
+    prompt = prompt_for(1)
+    token = peer.offer("late", [4], prompt, lease_s=0.05)
+    assert "late" in peer.released({"late"})
+    with pytest.raises(TransportError, match="expired|unknown"):
+        decode.fetch(fetch_of(peer, "late", token, [4], [0], prompt), TIMEOUT_S)
+
+
+def test_dead_peer_is_a_typed_error_within_the_timeout(pair, request):
+    name, extra, peer, decode, _ = pair
+    prompt = prompt_for(2)
+    if name == "lmcache":
+        # Nothing was stored for this prompt: decode waits for it, bounded.
+        start = time.monotonic()
+        with pytest.raises(TransportError, match="exceeded"):
+            decode.fetch(fetch_of(peer, "never", "t", [0, 1], [0, 1], prompt), 1.0)
+        assert time.monotonic() - start < 2.0
+        return
+    token = peer.offer("gone", [2, 3], prompt)
+    decode.fetch(fetch_of(peer, "warm", "t", [], [], prompt), TIMEOUT_S)  # pooled connection
+    peer.kill()
+    start = time.monotonic()
+    with pytest.raises(TransportError):
+        decode.fetch(fetch_of(peer, "gone", token, [2, 3], [0, 1], prompt), TIMEOUT_S)
+    assert time.monotonic() - start < TIMEOUT_S + 1.0
+
+
+def test_unreachable_peer_is_a_typed_error_within_the_timeout(pair):
+    _, _, peer, decode, _ = pair
+    fetch = fetch_of(peer, "x", "t", [0], [0], prompt_for(1))
+    fetch = Fetch(**{**fetch.__dict__, "port": free_port()})
+    start = time.monotonic()
+    with pytest.raises(TransportError):
+        decode.fetch(fetch, 1.0)
+    assert time.monotonic() - start < 2.0
+
+
+def test_lmcache_server_gone_is_a_typed_error():
+    with LMCacheServer() as server:
+        extra = {"transfer_timeout_seconds": 1.0, "lmcache_url": server.url,
+                 "lmcache_chunk_tokens": BLOCK_SIZE, "transport": "lmcache"}
+        decode, _ = open_transport(msgspec.convert(extra, ConnectorConfig), kv_caches(None),
+                                   is_producer=False)
+        server.stop()
+        start = time.monotonic()
+        with pytest.raises(TransportError, match="unreachable|LMCache"):
+            decode.fetch(Fetch("x", "t", "", 0, KV_LAYOUT, (0,), (0,), tuple(range(16))), 1.0)
+        assert time.monotonic() - start < 2.0
+        decode.close()
+
+
+def test_close_and_recreate(pair):
+    name, extra, peer, decode, dst = pair
+    prompt = prompt_for(2)
+    token = peer.offer("a", [1, 2], prompt)
+    decode.fetch(fetch_of(peer, "a", token, [1, 2], [3, 4], prompt), TIMEOUT_S)
+    peer.port = peer.ask(op="reopen")["port"]  # prefill closes its transport, makes a new one
+    decode.close()
+    config = msgspec.convert({**extra, "transport": name}, ConnectorConfig)
+    fresh = kv_caches(None)
+    again, _ = open_transport(config, fresh, is_producer=False)
+    try:
+        prompt = prompt_for(2)
+        token = peer.offer("b", [5, 6], prompt)
+        again.fetch(fetch_of(peer, "b", token, [5, 6], [3, 4], prompt), TIMEOUT_S)
+        assert_moved(fresh, [5, 6], [3, 4])
+    finally:
+        again.close()
