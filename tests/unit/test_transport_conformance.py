@@ -6,11 +6,6 @@ tcp, nccl (gloo on CPU), mooncake (its TCP protocol) and lmcache (a real LMCache
 
 from __future__ import annotations
 
-import json
-import secrets
-import subprocess
-import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,61 +16,14 @@ import torch
 from kvdisagg.config import ConnectorConfig
 from kvdisagg.errors import TransportError
 from kvdisagg.testing.servers import LMCacheServer, free_port
-from kvdisagg.testing.transport_peer import BLOCK_SIZE, KV_LAYOUT, kv_caches, open_transport
+from kvdisagg.testing.transport_peer import (BLOCK_SIZE, KV_LAYOUT, PeerProcess, kv_caches,
+                                             open_transport)
 from kvdisagg.transport import Fetch
 
 TRANSPORTS = ["tcp", "nccl", "mooncake", "lmcache"]
 PULL = {"tcp", "nccl", "mooncake"}
 TIMEOUT_S = 3.0
 SEED = 7
-
-
-class Peer:
-    """The prefill side in its own process."""
-
-    def __init__(self, transport: str, extra: dict) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvdisagg.testing.transport_peer", "--transport", transport,
-             "--config", json.dumps(extra), "--seed", str(SEED)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.port = self._read()["port"]
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        assert line, f"transport peer exited ({self.proc.wait(timeout=10)})"
-        return json.loads(line)
-
-    def ask(self, **cmd) -> dict:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def offer(self, handoff_id: str, block_ids: list[int], prompt: list[int],
-              lease_s: float = 30.0) -> str:
-        token = secrets.token_hex(8)
-        assert self.ask(op="offer", handoff_id=handoff_id, token=token, block_ids=block_ids,
-                        prompt=prompt, lease_s=lease_s) == {"ok": True}
-        return token
-
-    def released(self, want: set[str], within_s: float = 5.0) -> set[str]:
-        got: set[str] = set()
-        end = time.monotonic() + within_s
-        while not want <= got and time.monotonic() < end:
-            got |= set(self.ask(op="released")["released"])
-            time.sleep(0.02)
-        return got
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(timeout=10)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +42,7 @@ def pair(request):
                   "lmcache_chunk_tokens": 2 * BLOCK_SIZE}
     if name == "mooncake":
         extra |= {"mooncake_protocol": "tcp"}
-    peer = Peer(name, extra)
+    peer = PeerProcess(name, extra, seed=SEED)
     config = msgspec.convert({**extra, "transport": name}, ConnectorConfig)
     dst = kv_caches(None)
     decode, _ = open_transport(config, dst, is_producer=False)
@@ -108,7 +56,7 @@ def prompt_for(num_blocks: int) -> list[int]:
     return torch.randint(0, 30000, ((num_blocks - 1) * BLOCK_SIZE + 5,)).tolist()
 
 
-def fetch_of(peer: Peer, handoff_id: str, token: str, remote: list[int], local: list[int],
+def fetch_of(peer: PeerProcess, handoff_id: str, token: str, remote: list[int], local: list[int],
              prompt: list[int], first_block: int = 0) -> Fetch:
     return Fetch(handoff_id=handoff_id, token=token, host="127.0.0.1", port=peer.port,
                  kv_layout=KV_LAYOUT, remote_block_ids=tuple(remote[first_block:]),
@@ -250,7 +198,7 @@ def test_close_and_recreate(pair):
     prompt = prompt_for(2)
     token = peer.offer("a", [1, 2], prompt)
     decode.fetch(fetch_of(peer, "a", token, [1, 2], [3, 4], prompt), TIMEOUT_S)
-    peer.port = peer.ask(op="reopen")["port"]  # prefill closes its transport, makes a new one
+    peer.reopen()  # prefill closes its transport, makes a new one
     decode.close()
     config = msgspec.convert({**extra, "transport": name}, ConnectorConfig)
     fresh = kv_caches(None)

@@ -9,7 +9,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorTransferResults)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvdisagg.config import parse_config
+from kvdisagg.config import ConnectorConfig, parse_config
 from kvdisagg.connector.metadata import DisaggMetadata
 
 if TYPE_CHECKING:
@@ -17,6 +17,17 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
+
+
+def _prefix_lookup(vllm_config: VllmConfig, config: ConnectorConfig) -> Any:
+    """A store transport on a producer: look prompts up before computing them."""
+    kv = vllm_config.kv_transfer_config
+    if config.transport != "lmcache" or kv is None or not kv.is_kv_producer:
+        return None
+    from kvdisagg.transport.lmcache import PrefixLookup
+
+    return PrefixLookup(config, vllm_config.cache_config.block_size,
+                        vllm_config.parallel_config.tensor_parallel_size)
 
 
 class DisaggConnector(KVConnectorBase_V1):
@@ -30,7 +41,8 @@ class DisaggConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             from kvdisagg.connector.scheduler import DisaggScheduler
 
-            self._scheduler: DisaggScheduler | None = DisaggScheduler(vllm_config, config)
+            self._scheduler: DisaggScheduler | None = DisaggScheduler(
+                vllm_config, config, prefix_lookup=_prefix_lookup(vllm_config, config))
             self._worker = None
         else:
             from kvdisagg.connector.worker import DisaggWorker

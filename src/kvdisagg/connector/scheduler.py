@@ -2,7 +2,9 @@
 
 Prefill (producer): ``request_finished`` of a ``do_remote_decode`` request keeps its blocks under
 a lease and returns the handoff's kv_transfer_params. Decode (consumer): a ``do_remote_prefill``
-request claims its whole prompt as loadable asynchronously and the worker pulls it.
+request claims its whole prompt as loadable asynchronously and the worker pulls it. With a store
+transport, prefill also claims the leading chunks of any prompt that the store already holds
+(``prefix_lookup``), and the worker loads them instead of computing them.
 
 Must not import torch or kvdisagg.transport: all byte movement is the worker's.
 """
@@ -13,7 +15,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import msgspec
 
@@ -29,14 +31,21 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+PrefixLookup = Callable[[Sequence[int], str], int]  # (prompt, kv_layout) -> stored tokens
+
+
 class DisaggScheduler:
-    def __init__(self, vllm_config: VllmConfig, config: ConnectorConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, config: ConnectorConfig,
+                 prefix_lookup: PrefixLookup | None = None) -> None:
         kv = vllm_config.kv_transfer_config
         assert kv is not None
         self.config = config
         self.engine_id: str = kv.engine_id or ""
         self.is_producer, self.is_consumer = kv.is_kv_producer, kv.is_kv_consumer
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.block_size = vllm_config.cache_config.block_size
+        self.prefix_lookup = prefix_lookup
+        self._stored: dict[str, int] = {}  # memo of prefix_lookup per waiting request
         self.ports: list[int] = []
         self.transport_name = ""  # the wire name the workers' transport reports
         self.kv_layout = ""
@@ -59,17 +68,38 @@ class DisaggScheduler:
         """Side-effect free. The whole rest of the prompt is loadable; vLLM recomputes the last
         token itself (it sets computed = prompt - 1 after the load)."""
         params = request.kv_transfer_params
-        if (not self.is_consumer or not params or not params.get("do_remote_prefill")
-                or request.request_id in self._pulled):
+        if request.request_id in self._pulled:
             return 0, False
-        count = request.num_prompt_tokens - num_computed_tokens
-        return (count, True) if count > 0 else (0, False)
+        if self.is_consumer and params and params.get("do_remote_prefill"):
+            count = request.num_prompt_tokens - num_computed_tokens
+            return (count, True) if count > 0 else (0, False)
+        if self.prefix_lookup is not None and self.kv_layout:
+            count = self._stored_tokens(request) - num_computed_tokens
+            return (count, True) if count > 0 else (0, False)
+        return 0, False
+
+    def _stored_tokens(self, request: Request) -> int:
+        """Leading prompt tokens the store holds, short of the whole prompt (vLLM must compute
+        at least the last token to sample)."""
+        if request.request_id not in self._stored:
+            stored = self.prefix_lookup(request.prompt_token_ids, self.kv_layout)
+            chunk = self.config.lmcache_chunk_tokens
+            while stored >= request.num_prompt_tokens:
+                stored -= chunk
+            self._stored[request.request_id] = max(stored, 0)
+        return self._stored[request.request_id]
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         params = request.kv_transfer_params
-        if (not self.is_consumer or not params or not params.get("do_remote_prefill")
-                or request.request_id in self._pulled):
+        stored = self._stored.pop(request.request_id, 0)
+        if request.request_id in self._pulled:
+            return
+        if not (self.is_consumer and params and params.get("do_remote_prefill")):
+            if num_external_tokens > 0 and stored:
+                self._pulled.add(request.request_id)
+                self._loads.append(self._plan_prefix_load(request, blocks, num_external_tokens,
+                                                          stored))
             return
         self._pulled.add(request.request_id)  # never pull twice (recompute, preemption)
         local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
@@ -77,6 +107,16 @@ class DisaggScheduler:
         if self.keyed_by_tokens and not load.error:
             load = dataclasses.replace(load, prompt_token_ids=tuple(request.prompt_token_ids))
         self._loads.append(load)
+
+    def _plan_prefix_load(self, request: Request, blocks: KVCacheBlocks,
+                          num_external_tokens: int, stored: int) -> LoadSpec:
+        """Prefill: load stored chunks into the blocks after the local prefix-cache hit."""
+        local = blocks.get_unhashed_block_ids()[:num_external_tokens // self.block_size]
+        first = (stored - num_external_tokens) // self.block_size  # blocks hit locally
+        return LoadSpec(req_id=request.request_id, handoff_id=f"prefix-{request.request_id}",
+                        transport=self.transport_name, kv_layout=self.kv_layout,
+                        local_block_ids=tuple(local), first_block=first,
+                        prompt_token_ids=tuple(request.prompt_token_ids))
 
     def _plan_load(self, req_id: str, raw: dict[str, Any], local: list[int]) -> LoadSpec:
         try:
@@ -108,6 +148,7 @@ class DisaggScheduler:
         from vllm.v1.request import RequestStatus
 
         self._pulled.discard(request.request_id)
+        self._stored.pop(request.request_id, None)
         params = request.kv_transfer_params
         if (not self.is_producer or not params or not params.get("do_remote_decode")
                 or not block_ids or request.status not in

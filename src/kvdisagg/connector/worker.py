@@ -83,7 +83,7 @@ class DisaggWorker:
         try:
             nbytes = self.transport.fetch(Fetch(
                 handoff_id=load.handoff_id, token=load.token, host=load.host,
-                port=load.ports[self.tp_rank], kv_layout=load.kv_layout,
+                port=load.ports[self.tp_rank] if load.ports else 0, kv_layout=load.kv_layout,
                 remote_block_ids=load.remote_block_ids, local_block_ids=load.local_block_ids,
                 prompt_token_ids=load.prompt_token_ids, first_block=load.first_block),
                 self.config.transfer_timeout_seconds)

@@ -12,7 +12,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from kvdisagg.testing.servers import VllmServer, free_port
 
@@ -31,11 +31,15 @@ class Fleet:
     def __init__(self, model: Path, log_dir: Path, *, reference: bool = False,
                  prefill_extra: dict[str, Any] | None = None,
                  decode_extra: dict[str, Any] | None = None,
-                 decode_failure_policy: str = "fail", env: dict[str, str] | None = None) -> None:
+                 decode_failure_policy: str = "fail", prefill_failure_policy: str = "fail",
+                 prefill_args: Sequence[str] = (),
+                 env: dict[str, str] | None = None) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = log_dir
         self.prefill = VllmServer(model, log_path=log_dir / "prefill.log", omp_threads_bind="0",
-                                  extra_args=kv_transfer_args("kv_producer", prefill_extra),
+                                  extra_args=[*kv_transfer_args("kv_producer", prefill_extra,
+                                                                prefill_failure_policy),
+                                              *prefill_args],
                                   env=env)
         self.decode = VllmServer(model, log_path=log_dir / "decode.log",
                                  omp_threads_bind="1", env=env,
@@ -72,15 +76,22 @@ class Fleet:
             raise
         return self
 
-    def _wait_proxy(self, timeout_s: float = 30.0) -> None:
+    def _wait_proxy(self, timeout_s: float = 60.0) -> None:
+        """Until the proxy's probes have found every instance healthy (``/readiness``)."""
         deadline = time.monotonic() + timeout_s
+        last = ""
         while time.monotonic() < deadline:
             try:
-                urllib.request.urlopen(self.proxy_url + "/health", timeout=2).read()
-                return
-            except OSError:
-                time.sleep(0.2)
-        raise RuntimeError(f"proxy did not come up; see {self.log_dir / 'proxy.log'}")
+                with urllib.request.urlopen(self.proxy_url + "/readiness", timeout=2) as r:
+                    state = json.loads(r.read())
+                if all(state[side]["healthy"] == state[side]["total"]
+                       for side in ("prefill", "decode")):
+                    return
+                last = str(state)
+            except (OSError, ValueError, KeyError) as exc:  # 503 until ready, or still starting
+                last = str(exc)
+            time.sleep(0.2)
+        raise RuntimeError(f"proxy not ready ({last}); see {self.log_dir / 'proxy.log'}")
 
     def stop(self) -> None:
         if self.proxy and self.proxy.poll() is None:

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
+import subprocess
 import sys
-from typing import Any
+import time
+from typing import Any, Sequence
 
 import msgspec
 import torch
@@ -46,6 +49,64 @@ def open_transport(config: ConnectorConfig, caches: dict[str, torch.Tensor], *,
     port = transport.register(layer_regions(caches), kv_layout=KV_LAYOUT, block_size=BLOCK_SIZE,
                               is_producer=is_producer)
     return transport, port
+
+
+class PeerProcess:
+    """Client of this module run as a subprocess: the prefill side, seeded, in its own process."""
+
+    def __init__(self, transport: str, extra: dict[str, Any], *, seed: int = 1,
+                 blocks: int = 32, block_shape: Sequence[int] = (2, BLOCK_SIZE, 64)) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvdisagg.testing.transport_peer", "--transport", transport,
+             "--config", json.dumps(extra), "--seed", str(seed), "--blocks", str(blocks),
+             "--block-shape", ",".join(map(str, block_shape))],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.port = self._read()["port"]
+
+    def _read(self) -> dict[str, Any]:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"transport peer exited ({self.proc.wait(timeout=10)})")
+        return json.loads(line)
+
+    def ask(self, **cmd: Any) -> dict[str, Any]:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def offer(self, handoff_id: str, block_ids: Sequence[int], prompt: Sequence[int],
+              lease_s: float = 30.0) -> str:
+        token = secrets.token_hex(8)
+        reply = self.ask(op="offer", handoff_id=handoff_id, token=token,
+                         block_ids=list(block_ids), prompt=list(prompt), lease_s=lease_s)
+        if reply != {"ok": True}:
+            raise RuntimeError(f"offer refused: {reply}")
+        return token
+
+    def released(self, want: set[str], within_s: float = 5.0) -> set[str]:
+        """Poll until every id in ``want`` was released (or the time is up)."""
+        got: set[str] = set()
+        end = time.monotonic() + within_s
+        while not want <= got and time.monotonic() < end:
+            got |= set(self.ask(op="released")["released"])
+            time.sleep(0.01)
+        return got
+
+    def reopen(self) -> int:
+        self.port = self.ask(op="reopen")["port"]
+        return self.port
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.kill()
 
 
 def _say(obj: dict[str, Any]) -> None:

