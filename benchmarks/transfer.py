@@ -1,11 +1,20 @@
-"""Transfer benchmark: the tcp transport vs a plain socket copy of the same bytes, one run.
+"""Transfer benchmark: every transport against the raw loopback copy of the same bytes, and against
+the engine it drives where there is one, in one run.
 
-Two processes on loopback. The prefill process holds KV-shaped blocks (2 layers of
-[num_blocks, 1, 64, 128] float32 pages = 32 KiB per layer-block, 64 KiB per block) behind the real side channel;
-the decode process pulls block sets with ``pull()`` into its own blocks. The baseline sends the
-same number of bytes over a plain TCP socket, ``sendall`` to ``recv_into`` a preallocated buffer.
+Prefill is a peer process (kvdisagg.testing.transport_peer) holding KV-shaped blocks: 2 layers
+of [num_blocks, 1, 64, 128] float32 pages, 32 KiB per layer-block, 64 KiB per block. Decode, this
+process, fetches a scattered block set (every other block) into contiguous blocks through the
+real Transport API: a whole handoff (Read, grant, bytes, Done; for lmcache the chunk GETs).
 
-    .venv/bin/python benchmarks/transfer.py [--repeats 5]
+Baselines, same bytes, same run:
+- raw: a plain TCP socket on loopback, ``sendall`` into ``recv_into`` of one buffer;
+- mooncake-engine: the same ranges read by Mooncake's TransferEngine directly
+  (``batch_transfer_sync_read``), without our side channel;
+- lmcache-wire: the same chunks fetched with bare LMCache protocol GETs into one buffer
+  (what LMCache's own LMCServerConnector does, minus its allocator), without our layer.
+
+    .venv/bin/python benchmarks/transfer.py [--transports tcp,nccl,mooncake,lmcache]
+        [--repeats 5] [--max-mib 64]
 """
 
 from __future__ import annotations
@@ -15,95 +24,163 @@ import multiprocessing as mp
 import socket
 import statistics
 import time
+from contextlib import ExitStack
+from typing import Callable
 
-SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
-PAGE = 1 * 64 * 128 * 4  # one layer-block: kv_heads 1, block 64, 2*head_dim 128, float32
+import msgspec
+import torch
+
+from kvdisagg.config import ConnectorConfig
+from kvdisagg.protocol import recv_into_exact
+from kvdisagg.testing.servers import LMCacheServer
+from kvdisagg.testing.transport_peer import (BLOCK_SIZE, KV_LAYOUT, PeerProcess, kv_caches,
+                                             open_transport)
+from kvdisagg.transport import Fetch
+
+BLOCK_SHAPE = (1, 64, 128)  # kv_heads, tokens, 2*head_dim: 32 KiB per layer-block in float32
 LAYERS = 2
-NUM_BLOCKS = (256 << 20) // (PAGE * LAYERS) + 8
+PAGE = 64 * 128 * 4
+CHUNK_TOKENS = 16 * BLOCK_SIZE  # lmcache: 16 blocks (1 MiB) per chunk
 
 
-def kv_caches():
-    import torch
+def raw_server(port_q: mp.Queue, max_bytes: int) -> None:
+    payload = memoryview(bytearray(max_bytes))
+    server = socket.create_server(("127.0.0.1", 0))
+    port_q.put(server.getsockname()[1])
+    conn, _ = server.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while len(head := conn.recv(8)) == 8:
+        conn.sendall(payload[:int.from_bytes(head, "big")])
 
-    return {f"layer.{i}": torch.zeros(NUM_BLOCKS, 1, 64, 128) for i in range(LAYERS)}
+
+def median_s(fn: Callable[[int], None], repeats: int) -> float:
+    """Median over ``repeats`` after one warm-up call; ``fn`` gets the round number."""
+    times = []
+    for k in range(repeats + 1):
+        start = time.perf_counter()
+        fn(k)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
 
 
-def prefill_proc(port_q: mp.Queue, raw_port_q: mp.Queue) -> None:
-    from kvdisagg.connector.layout import layer_regions
-    from kvdisagg.connector.side_channel import HandoffTable, SideChannelServer
-    from kvdisagg.transport.tcp import TcpTransport
+class Bench:
+    def __init__(self, name: str, extra: dict, num_blocks: int) -> None:
+        self.name = name
+        self.peer = PeerProcess(name, extra, blocks=num_blocks, block_shape=BLOCK_SHAPE)
+        config = msgspec.convert({**extra, "transport": name}, ConnectorConfig)
+        self.dst = kv_caches(None, num_blocks, LAYERS, BLOCK_SHAPE)
+        self.decode, _ = open_transport(config, self.dst, is_producer=False)
+        self.n = 0
 
-    caches = kv_caches()
-    for t in caches.values():
-        t.uniform_()
-    table = HandoffTable()
-    # A pull releases its handoff (Done), so each pull gets its own: bench-0, bench-1, ...
-    for k in range(1000):
-        table.add(f"bench-{k}", "tok", range(NUM_BLOCKS), lease_s=3600)
-    server = SideChannelServer("127.0.0.1", 0, kv_layout="bench", regions=layer_regions(caches),
-                               transport=TcpTransport(), table=table, timeout_s=60)
-    port_q.put(server.port)
-    # Raw baseline: for each connection, read an 8-byte size, then send that many bytes.
-    payload = memoryview(caches["layer.0"].view(-1).view(dtype=__import__("torch").uint8).numpy())
-    raw = socket.create_server(("127.0.0.1", 0))
-    raw_port_q.put(raw.getsockname()[1])
-    while True:
-        conn, _ = raw.accept()
-        with conn:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            while True:
-                head = conn.recv(8)
-                if len(head) < 8:
-                    break
-                n = int.from_bytes(head, "big")
-                conn.sendall(payload[:n])
+    def fetch_once(self, remote: list[int], local: list[int]) -> tuple[Fetch, Callable]:
+        """Offer a fresh handoff; return its Fetch and the timed call."""
+        self.n += 1
+        hid = f"{self.name}-{self.n}"
+        prompt = torch.randint(0, 30000, (len(remote) * BLOCK_SIZE,)).tolist()
+        token = self.peer.offer(hid, remote, prompt, lease_s=600)
+        if self.name == "lmcache":  # stored before decode asks: time the fetch alone
+            self.peer.released({hid}, within_s=120)
+        fetch = Fetch(hid, token, "127.0.0.1", self.peer.port, KV_LAYOUT, tuple(remote),
+                      tuple(local), tuple(prompt))
+        return fetch, lambda: self.decode.fetch(fetch, 120)
+
+    def time_ours(self, remote: list[int], local: list[int], repeats: int) -> float:
+        calls = [self.fetch_once(remote, local)[1] for _ in range(repeats + 1)]
+        return median_s(lambda k: calls[k](), repeats)
+
+    def time_engine(self, remote: list[int], local: list[int], repeats: int) -> float | None:
+        """The engine we drive, called directly on the same ranges (no side channel)."""
+        if self.name == "mooncake":
+            fetch, _ = self.fetch_once(remote, local)
+            from kvdisagg.transport.pull import Deadline
+
+            conn = self.decode._connection((fetch.host, fetch.port), Deadline(30, "bench"))
+            info, engine = conn.peer, self.decode.engine
+            from kvdisagg.layout import copy_runs, run_tensor
+
+            runs = copy_runs(LAYERS, remote, local)
+            dst = [run_tensor(self.decode.regions, r, "dst").data_ptr() for r in runs]
+            src = [info.bases[r.layer] + r.src * PAGE for r in runs]
+            lengths = [r.count * PAGE for r in runs]
+
+            def read(_k: int) -> None:
+                for i in range(0, len(dst), 512):
+                    rc = engine.batch_transfer_sync_read(info.endpoint, dst[i:i + 512],
+                                                         src[i:i + 512], lengths[i:i + 512])
+                    assert rc == 0, rc
+            return median_s(read, repeats)
+        if self.name == "lmcache":
+            fetch, _ = self.fetch_once(remote, local)
+            from kvdisagg.transport.lmcache import LMCacheClient
+            from kvdisagg.transport.pull import Deadline
+
+            client = LMCacheClient(self.decode.config.lmcache_url)
+            chunks = self.decode.chunks(fetch.prompt_token_ids)
+            nbytes = [c.num_blocks * PAGE * LAYERS for c in chunks]
+            sink = memoryview(bytearray(max(nbytes)))
+
+            def get(_k: int) -> None:
+                for chunk, size in zip(chunks, nbytes):
+                    assert client.get_into(chunk.key, [sink[:size]], Deadline(60, "bench"))
+            result = median_s(get, repeats)
+            client.close()
+            return result
+        return None
+
+    def close(self) -> None:
+        self.decode.close()
+        self.peer.close()
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--transports", default="tcp,nccl,mooncake,lmcache")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--max-mib", type=int, default=64)
     args = ap.parse_args()
+    sizes = [s for s in (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20)
+             if s <= args.max_mib << 20]
+    num_blocks = 2 * max(sizes) // (PAGE * LAYERS) + 8
     ctx = mp.get_context("spawn")
-    port_q, raw_q = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=prefill_proc, args=(port_q, raw_q), daemon=True)
-    proc.start()
-    port, raw_port = port_q.get(timeout=60), raw_q.get(timeout=60)
-
-    from kvdisagg.connector.layout import layer_regions
-    from kvdisagg.connector.side_channel import pull
-    from kvdisagg.protocol import recv_into_exact
-    from kvdisagg.transport.tcp import TcpTransport
-
-    dst = kv_caches()
-    regions = layer_regions(dst)
-    raw = socket.create_connection(("127.0.0.1", raw_port))
+    port_q: mp.Queue = ctx.Queue()
+    raw_proc = ctx.Process(target=raw_server, args=(port_q, max(sizes)), daemon=True)
+    raw_proc.start()
+    raw = socket.create_connection(("127.0.0.1", port_q.get(timeout=60)))
     raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sink = bytearray(max(SIZES))
-    handoff = -1
-    print(f"{'size':>9} {'blocks':>6} {'tcp GB/s':>9} {'raw GB/s':>9} {'ratio':>6}")
-    for size in SIZES:
-        nblocks = max(1, size // (PAGE * LAYERS))
-        nbytes = nblocks * PAGE * LAYERS
-        # Scattered remote blocks (every other one) into contiguous local ones: real handoffs
-        # are fragmented on prefill and get fresh blocks on decode.
-        remote = [2 * i % NUM_BLOCKS for i in range(nblocks)]
-        local = list(range(nblocks))
-        ours, base = [], []
-        for _ in range(args.repeats + 1):  # first round warms up both paths
-            handoff += 1
-            t = time.perf_counter()
-            pull(host="127.0.0.1", port=port, handoff_id=f"bench-{handoff}", token="tok",
-                 kv_layout="bench", remote_block_ids=remote, local_regions=regions,
-                 local_block_ids=local, transport=TcpTransport(), timeout_s=60)
-            ours.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            raw.sendall(nbytes.to_bytes(8, "big"))
-            recv_into_exact(raw, memoryview(sink)[:nbytes])
-            base.append(time.perf_counter() - t)
-        o, b = statistics.median(ours[1:]), statistics.median(base[1:])
-        print(f"{_fmt(nbytes):>9} {nblocks:>6} {nbytes / o / 1e9:>9.2f} {nbytes / b / 1e9:>9.2f} "
-              f"{b / o:>6.2f}")
-    proc.terminate()
+    sink = memoryview(bytearray(max(sizes)))
+
+    def raw_copy(nbytes: int) -> None:
+        raw.sendall(nbytes.to_bytes(8, "big"))
+        recv_into_exact(raw, sink[:nbytes])
+
+    print(f"{'transport':>9} {'size':>8} {'GB/s':>6} {'raw GB/s':>8} {'vs raw':>6} "
+          f"{'engine GB/s':>11} {'vs engine':>9}", flush=True)
+    with ExitStack() as stack:
+        lmcache = stack.enter_context(LMCacheServer())
+        for name in args.transports.split(","):
+            extra = {"transfer_timeout_seconds": 120.0}
+            if name == "mooncake":
+                extra["mooncake_protocol"] = "tcp"
+            if name == "lmcache":
+                extra |= {"lmcache_url": lmcache.url, "lmcache_chunk_tokens": CHUNK_TOKENS}
+            bench = Bench(name, extra, num_blocks)
+            try:
+                for size in sizes:
+                    nblocks = max(1, size // (PAGE * LAYERS))
+                    nbytes = nblocks * PAGE * LAYERS
+                    remote = [2 * i for i in range(nblocks)]  # scattered on prefill
+                    local = list(range(nblocks))  # fresh, contiguous on decode
+                    ours = bench.time_ours(remote, local, args.repeats)
+                    base = median_s(lambda _k: raw_copy(nbytes), args.repeats)
+                    engine = bench.time_engine(remote, local, args.repeats)
+                    line = (f"{name:>9} {_fmt(nbytes):>8} {nbytes / ours / 1e9:>6.2f} "
+                            f"{nbytes / base / 1e9:>8.2f} {base / ours:>6.2f}")
+                    if engine is not None:
+                        line += f" {nbytes / engine / 1e9:>11.2f} {engine / ours:>9.2f}"
+                    print(line, flush=True)
+            finally:
+                bench.close()
+    raw_proc.terminate()
 
 
 def _fmt(n: int) -> str:

@@ -121,9 +121,13 @@ _decoder = msgspec.msgpack.Decoder(Message)
 _header = struct.Struct("!I")
 
 
-def send_frame(sock: socket.socket, msg: Message) -> None:
+def encode_frame(msg: Message) -> bytes:
     body = _encoder.encode(msg)
-    sock.sendall(_header.pack(len(body)) + body)
+    return _header.pack(len(body)) + body
+
+
+def send_frame(sock: socket.socket, msg: Message) -> None:
+    sock.sendall(encode_frame(msg))
 
 
 def recv_frame(sock: socket.socket) -> Message:
@@ -150,3 +154,46 @@ def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
         if k == 0:
             raise TransferFailed("peer closed the connection mid-message")
         got += k
+
+
+IOV_MAX = 1024  # buffers per sendmsg/recvmsg_into call (Linux UIO_MAXIOV)
+IOV_BYTES = 4 << 20  # ... and about this many bytes: more than a call moves on loopback
+
+
+def send_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """Gather-write every byte of ``views`` in order: many buffers per system call, so
+    scattered KV blocks cost one call per few MiB, not one per block."""
+    views, i = list(views), 0
+    while i < len(views):
+        sent = sock.sendmsg(_batch(views, i))
+        i = _advance(views, i, sent)
+
+
+def recv_into_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """Scatter-read exactly ``sum(len(v))`` bytes into ``views`` in order."""
+    views, i = list(views), 0
+    while i < len(views):
+        got = sock.recvmsg_into(_batch(views, i))[0]
+        if got == 0:
+            raise TransferFailed("peer closed the connection mid-message")
+        i = _advance(views, i, got)
+
+
+def _batch(views: list[memoryview], i: int) -> list[memoryview]:
+    """The buffers from ``i`` for one call: a call converts every buffer it is given, so give
+    it about as many as it can fill."""
+    end, nbytes = i, 0
+    while end < len(views) and end - i < IOV_MAX and nbytes < IOV_BYTES:
+        nbytes += len(views[end])
+        end += 1
+    return views[i:end]
+
+
+def _advance(views: list[memoryview], i: int, done: int) -> int:
+    """Skip ``done`` bytes from ``views[i]`` on; return the first index not finished."""
+    while i < len(views) and done >= len(views[i]):
+        done -= len(views[i])
+        i += 1
+    if done:
+        views[i] = views[i][done:]
+    return i

@@ -39,7 +39,7 @@ from kvdisagg.config import LMCACHE_URL, ConnectorConfig
 from kvdisagg.errors import (ConfigError, PeerUnreachable, TransferFailed, TransferTimeout,
                              TransportError)
 from kvdisagg.layout import LayerRegion, check_blocks, copy_runs, run_tensor
-from kvdisagg.protocol import recv_into_exact
+from kvdisagg.protocol import recv_into_exact, recv_into_views, send_views
 from kvdisagg.transport.base import Fetch, Offer
 from kvdisagg.transport.pull import Deadline
 from kvdisagg.transport.tcp import host_bytes
@@ -147,23 +147,24 @@ class LMCacheClient:
     def put(self, key: CacheEngineKey, parts: Sequence[memoryview], deadline: Deadline) -> None:
         """Store the concatenation of ``parts`` (no reply in LMCache's protocol)."""
         def call(sock: socket.socket) -> None:
-            sock.sendall(self._header(ClientCommand.PUT, key, sum(p.nbytes for p in parts)))
-            for part in parts:
-                sock.sendall(part)
+            header = self._header(ClientCommand.PUT, key, sum(p.nbytes for p in parts))
+            send_views(sock, [memoryview(header), *parts])
         self._call(deadline, call)
 
-    def get_into(self, key: CacheEngineKey, out: memoryview, deadline: Deadline) -> bool:
-        """Read the value of ``key`` into ``out`` (exactly its size); False if absent."""
+    def get_into(self, key: CacheEngineKey, parts: Sequence[memoryview],
+                 deadline: Deadline) -> bool:
+        """Scatter the value of ``key`` into ``parts`` (exactly its size); False if absent."""
         def call(sock: socket.socket) -> bool:
             sock.sendall(self._header(ClientCommand.GET, key))
             reply = self._reply(sock)
             if reply.code != ServerReturnCode.SUCCESS:
                 return False
-            if reply.length != out.nbytes:
+            expected = sum(p.nbytes for p in parts)
+            if reply.length != expected:
                 self.close()  # the value is still on the wire: drop the connection
                 raise TransferFailed(f"LMCache chunk {key.to_string()} holds {reply.length} "
-                                     f"bytes, expected {out.nbytes} (another layout?)")
-            recv_into_exact(sock, out)
+                                     f"bytes, expected {expected} (another layout?)")
+            recv_into_views(sock, list(parts))
             return True
         return self._call(deadline, call)
 
@@ -234,6 +235,8 @@ class LMCacheTransport:
             raise ConfigError(f"lmcache_chunk_tokens={self.config.lmcache_chunk_tokens} must be "
                               f"a multiple of vLLM's block size {block_size}")
         self.regions, self.kv_layout, self.block_size = list(regions), kv_layout, block_size
+        self._host = [host_bytes(r.pages) if r.pages.device.type == "cpu" else None
+                      for r in self.regions]
         if is_producer:
             self._store_thread = threading.Thread(target=self._store_loop, daemon=True,
                                                   name="kvdisagg-lmcache-store")
@@ -273,18 +276,39 @@ class LMCacheTransport:
             needed = [b for b in blocks if b in wanted]
             if not needed:
                 continue
-            geometry = _Geometry(self.regions, chunk.num_blocks)
-            scratch = torch.empty(geometry.nbytes, dtype=torch.uint8)
-            while not client.get_into(chunk.key, host_bytes(scratch), deadline):
-                time.sleep(min(POLL_S, deadline.left()))
-            for b in needed:
-                dst = fetch.local_block_ids[b - fetch.first_block]
-                for layer, region in enumerate(self.regions):
-                    page = geometry.page_bytes[layer]
-                    at = geometry.layer_offsets[layer] + (b - chunk.first_block) * page
-                    region.pages[dst].copy_(scratch[at:at + page])
-                    nbytes += page
+            dst = {b: fetch.local_block_ids[b - fetch.first_block] for b in needed}
+            if all(h is not None for h in self._host):
+                parts = self._scatter_views(blocks, dst)
+                while not client.get_into(chunk.key, parts, deadline):
+                    time.sleep(min(POLL_S, deadline.left()))
+            else:
+                self._fetch_staged(client, chunk, dst, deadline)
+            nbytes += len(needed) * sum(r.page_bytes for r in self.regions)
         return nbytes
+
+    def _scatter_views(self, blocks: range, dst: dict[int, int]) -> list[memoryview]:
+        """Where each page of a chunk goes (layer-major): its decode block, or a discard page
+        for blocks decode already holds."""
+        parts = []
+        for host, region in zip(self._host, self.regions):
+            page = region.page_bytes
+            discard = memoryview(bytearray(page)) if len(dst) < len(blocks) else None
+            for b in blocks:
+                parts.append(host[dst[b] * page:(dst[b] + 1) * page] if b in dst else discard)
+        return parts
+
+    def _fetch_staged(self, client: LMCacheClient, chunk: Chunk, dst: dict[int, int],
+                      deadline: Deadline) -> None:
+        """KV off the host (CUDA): the chunk through one host buffer, then page copies."""
+        geometry = _Geometry(self.regions, chunk.num_blocks)
+        scratch = torch.empty(geometry.nbytes, dtype=torch.uint8)
+        while not client.get_into(chunk.key, [host_bytes(scratch)], deadline):
+            time.sleep(min(POLL_S, deadline.left()))
+        for b, block in dst.items():
+            for layer, region in enumerate(self.regions):
+                page = geometry.page_bytes[layer]
+                at = geometry.layer_offsets[layer] + (b - chunk.first_block) * page
+                region.pages[block].copy_(scratch[at:at + page])
 
     def close(self) -> None:
         if self._store_thread is not None:

@@ -103,7 +103,8 @@ class NcclTransport(PullTransport):
             peer.abort()
 
     def send(self, peer: Any, sock: socket.socket, runs: Sequence[CopyRun],
-             deadline: Deadline) -> None:
+             deadline: Deadline, grant: bytes) -> None:
+        sock.sendall(grant)
         self._wait([peer.send([run_tensor(self.regions, run, "src")], 1, i)
                     for i, run in enumerate(runs)], deadline)
 

@@ -30,8 +30,8 @@ from kvdisagg.config import ConnectorConfig
 from kvdisagg.errors import (IncompatiblePeerError, PeerUnreachable, TransferFailed,
                              TransferTimeout, TransportError)
 from kvdisagg.layout import CopyRun, LayerRegion, check_blocks, copy_runs, run_bytes
-from kvdisagg.protocol import (PROTOCOL_VERSION, Done, Hello, Read, Reply, recv_frame,
-                               send_frame)
+from kvdisagg.protocol import (PROTOCOL_VERSION, Done, Hello, Read, Reply, encode_frame,
+                               recv_frame, send_frame)
 from kvdisagg.transport.base import Fetch, Offer
 from kvdisagg.transport.handoffs import REGISTRATION_GRACE_S, HandoffTable
 
@@ -102,8 +102,11 @@ class PullTransport:
         """Either side: a connection's state is no longer needed."""
 
     def send(self, peer: Any, sock: socket.socket, runs: Sequence[CopyRun],
-             deadline: Deadline) -> None:
-        """Prefill, for a granted Read: deliver ``runs`` (or nothing, for one-sided reads)."""
+             deadline: Deadline, grant: bytes) -> None:
+        """Prefill, for a granted Read: write ``grant`` (the encoded Reply) to ``sock``, then
+        deliver ``runs`` (or nothing, for one-sided reads). Inline data may go in the same
+        system call as the grant."""
+        sock.sendall(grant)
 
     def recv(self, peer: Any, sock: socket.socket, runs: Sequence[CopyRun],
              deadline: Deadline) -> None:
@@ -322,10 +325,10 @@ class PullTransport:
                     return
                 try:
                     runs = copy_runs(len(self.regions), src, dst)
-                    send_frame(sock, Reply(ok=True, nbytes=run_bytes(self.regions, runs)))
                     deadline = Deadline(self.config.transfer_timeout_seconds,
                                         f"serving handoff {rid}")
-                    self.send(peer, sock, runs, deadline)
+                    self.send(peer, sock, runs, deadline, encode_frame(
+                        Reply(ok=True, nbytes=run_bytes(self.regions, runs))))
                     # One-sided reads happen now; the pin holds until decode says Done.
                     sock.settimeout(deadline.left())
                     done = recv_frame(sock)
