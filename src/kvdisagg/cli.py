@@ -14,6 +14,8 @@ COMMANDS: dict[str, str] = {
     "proxy": "kvdisagg.proxy.cli",
     "demo": "kvdisagg.demo",
     "tiny-model": "kvdisagg.testing.tiny_model",
+    "bench": "kvdisagg.bench.cli",
+    "profile": "kvdisagg.bench.profile_cli",
 }
 
 

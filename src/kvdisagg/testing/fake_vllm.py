@@ -32,6 +32,8 @@ class FakeVllm:
         self.with_kv = True  # prefill answers carry kv_transfer_params
         self.die_after: int | None = None  # decode: close the connection after N events
         self.hang_after: int | None = None  # decode: go silent after N events
+        self.token_delay_s = 0.0  # streaming: pause before each token event (bench tests)
+        self.use_max_tokens = False  # stream the request's max_tokens events, not ``tokens``
         self.health_status = 200
         self.seen: list[dict[str, Any]] = []
         self.aborted = 0  # requests whose client (the proxy) went away before the end
@@ -65,7 +67,8 @@ class FakeVllm:
                     out["kv_transfer_params"] = self.kv_params()
                 return web.Response(body=_enc(out), content_type="application/json")
             if body.get("stream"):
-                return await self._stream(request, chat)
+                n = body.get("max_tokens") if self.use_max_tokens else None
+                return await self._stream(request, chat, n if isinstance(n, int) else None)
             text = "".join(f"t{i} " for i in range(self.tokens))
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}}
                       if chat else {"index": 0, "text": text})
@@ -77,10 +80,13 @@ class FakeVllm:
             self.aborted += 1
             raise
 
-    async def _stream(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, chat: bool,
+                      tokens: int | None = None) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for i in range(self.tokens):
+        for i in range(self.tokens if tokens is None else tokens):
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s)
             if self.die_after is not None and i >= self.die_after:
                 assert request.transport is not None
                 request.transport.abort()

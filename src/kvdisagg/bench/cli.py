@@ -1,0 +1,265 @@
+"""``kvdisagg bench``: open-loop load against one or more OpenAI-compatible endpoints.
+
+Each ``--url`` is measured with the same requests at each rate (endpoints interleaved rate by
+rate, so machine noise hits all of them alike), and the run writes ``records.jsonl`` (one line
+per request), ``summary.json`` (``BenchResult``) and two PNG plots into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+HELP = "measure TTFT/TPOT, SLO attainment and goodput of OpenAI endpoints under open-loop load"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("endpoints")
+    g.add_argument("--url", action="append", required=True, metavar="[NAME=]URL",
+                   help="endpoint base URL (repeat to compare); NAME labels it")
+    g.add_argument("--gpus", type=int, nargs="+", default=[1], metavar="N",
+                   help="GPUs behind each --url, in order (one value: all); goodput per GPU "
+                        "divides by it")
+    g.add_argument("--model", help="model name to send (default: the endpoint's first model)")
+    g.add_argument("--api", choices=["completions", "chat"], default="completions")
+    g.add_argument("--api-key")
+    s = p.add_argument_group("objectives")
+    s.add_argument("--ttft-slo", type=float, default=1.0, metavar="S",
+                   help="TTFT objective, seconds (default 1.0, the proxy's default)")
+    s.add_argument("--tpot-slo", type=float, default=0.1, metavar="S",
+                   help="TPOT objective, seconds (default 0.1, the proxy's default)")
+    s.add_argument("--attainment", type=float, default=0.9,
+                   help="target fraction meeting both SLOs (default 0.9)")
+    r = p.add_argument_group("load")
+    r.add_argument("--rate", type=float, nargs="+", metavar="R",
+                   help="arrival rate(s), req/s; several rates make a sweep")
+    r.add_argument("--sweep", metavar="LO:HI",
+                   help="bisect for the highest rate meeting --attainment in [LO, HI]")
+    r.add_argument("--sweep-steps", type=int, default=3)
+    r.add_argument("--per-gpu-rate", action="store_true",
+                   help="rates are per GPU: each endpoint gets rate x its --gpus")
+    r.add_argument("--num-requests", type=int, default=100, metavar="N")
+    r.add_argument("--duration", type=float, metavar="S",
+                   help="instead of --num-requests: rate x S requests per run")
+    r.add_argument("--arrival", choices=["poisson", "constant"], default="poisson")
+    r.add_argument("--prompt-len", default="uniform:32:256", metavar="SPEC",
+                   help="N | uniform:LO:HI | normal:MEAN:STD | lognormal:MEDIAN:SIGMA | "
+                        "exponential:MEAN (tokens)")
+    r.add_argument("--output-len", default="uniform:16:64", metavar="SPEC")
+    r.add_argument("--max-prompt-len", type=int)
+    r.add_argument("--max-output-len", type=int)
+    r.add_argument("--dataset", metavar="FILE",
+                   help=".csv (prompt_len,output_len) or .jsonl rows, drawn with replacement")
+    r.add_argument("--trace", metavar="FILE",
+                   help="replay a dataset file with a timestamp column (--rate rescales it)")
+    r.add_argument("--token-id-range", default="10:500", metavar="LO:HI",
+                   help="prompts are random token ids in [LO, HI)")
+    r.add_argument("--text-prompts", action="store_true",
+                   help="send text of ~prompt_len words instead of token ids")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--warmup", type=int, default=2, metavar="N",
+                   help="unrecorded sequential requests per endpoint first")
+    t = p.add_argument_group("bounds")
+    t.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
+    t.add_argument("--idle-timeout", type=float, default=60.0,
+                   help="max silence within a stream, seconds")
+    t.add_argument("--connect-timeout", type=float, default=10.0)
+    o = p.add_argument_group("output")
+    o.add_argument("--proxy-window", type=float, default=60.0, metavar="S",
+                   help="the proxy's slo.window_s, to compare its goodput gauge")
+    o.add_argument("--out", default="out/bench", metavar="DIR")
+    o.add_argument("--no-plots", action="store_true")
+    o.add_argument("--quiet", action="store_true", help="no progress bars")
+    o.add_argument("--json", action="store_true", help="print the summary JSON to stdout")
+
+
+def _fail(msg: str) -> SystemExit:
+    return SystemExit(f"kvdisagg bench: {msg}")
+
+
+def _endpoints(args: argparse.Namespace):  # -> list[Endpoint]
+    from kvdisagg.bench.runner import Endpoint
+
+    urls = args.url
+    gpus = args.gpus * len(urls) if len(args.gpus) == 1 else args.gpus
+    if len(gpus) != len(urls):
+        raise _fail(f"--gpus has {len(args.gpus)} values for {len(urls)} --url; give one "
+                    "per URL or one for all")
+    eps = []
+    for i, (spec, n) in enumerate(zip(urls, gpus)):
+        name, _, url = spec.rpartition("=") if "=" in spec.split("://")[0] else ("", "", spec)
+        if not url.startswith(("http://", "https://")):
+            raise _fail(f"--url {spec!r}: the URL must start with http:// or https://")
+        if n < 1:
+            raise _fail(f"--gpus must be >= 1, got {n}")
+        eps.append(Endpoint(name or f"ep{i}", url.rstrip("/"), n))
+    if len({e.name for e in eps}) != len(eps):
+        raise _fail("endpoint names must differ (use NAME=URL)")
+    return eps
+
+
+def _first_model(url: str, timeout_s: float) -> str:
+    try:
+        with urllib.request.urlopen(url + "/v1/models", timeout=timeout_s) as r:
+            data = json.loads(r.read(1 << 20))
+        return str(data["data"][0]["id"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise _fail(f"cannot list models at {url}/v1/models ({exc}); pass --model") from None
+
+
+def _range(spec: str, flag: str) -> tuple[float, float]:
+    try:
+        lo, hi = (float(x) for x in spec.split(":"))
+    except ValueError:
+        raise _fail(f"{flag} {spec!r}: expected LO:HI") from None
+    if not 0 <= lo < hi:
+        raise _fail(f"{flag} {spec!r}: need 0 <= LO < HI")
+    return lo, hi
+
+
+def run(args: argparse.Namespace) -> int:
+    import msgspec
+    from rich.console import Console
+
+    from kvdisagg.bench import plots, report, workload
+    from kvdisagg.bench.client import ClientConfig
+    from kvdisagg.bench.records import (BenchResult, RequestRecord, RunSummary, Slo, SweepPoint,
+                                        SweepResult)
+    from kvdisagg.bench.runner import Endpoint, run_once
+    from kvdisagg.bench.sweep import bisect_max_rate, max_rate_from_points
+
+    eps = _endpoints(args)
+    if not (args.ttft_slo > 0 and args.tpot_slo > 0):
+        raise _fail("--ttft-slo and --tpot-slo must be > 0")
+    if not 0 < args.attainment <= 1:
+        raise _fail("--attainment must be in (0, 1]")
+    if args.rate and args.sweep:
+        raise _fail("give --rate or --sweep, not both")
+    if not args.rate and not args.sweep and not args.trace:
+        raise _fail("give --rate R [R ...], --sweep LO:HI or --trace FILE")
+    if args.rate and any(r <= 0 for r in args.rate):
+        raise _fail("rates must be > 0")
+    try:
+        dataset = workload.load_dataset(args.trace or args.dataset) if (
+            args.trace or args.dataset) else None
+        plen = workload.LengthDist(args.prompt_len, args.max_prompt_len)
+        olen = workload.LengthDist(args.output_len, args.max_output_len)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    if dataset and (args.max_prompt_len or args.max_output_len):
+        dataset = [workload.Lengths(min(d.prompt_len, args.max_prompt_len or d.prompt_len),
+                                    min(d.output_len, args.max_output_len or d.output_len),
+                                    d.prompt, d.timestamp) for d in dataset]
+    lo, hi = _range(args.token_id_range, "--token-id-range")
+    token_ids = None if args.text_prompts or args.api == "chat" else (int(lo), int(hi))
+    slo = Slo(ttft_s=args.ttft_slo, tpot_s=args.tpot_slo)
+    models = {e.name: args.model or _first_model(e.url, args.connect_timeout) for e in eps}
+    # stderr: stdout stays clean for --json; wide when logged, so the tables stay readable
+    console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    records_path = out / "records.jsonl"
+    records_file = open(records_path, "wb")
+    enc = msgspec.json.Encoder()
+    all_records: list[RequestRecord] = []
+    runs: list[RunSummary] = []
+    salt = 0
+    warmed: set[str] = set()
+
+    def one_run(ep: Endpoint, rate: float | None) -> RunSummary:
+        nonlocal salt
+        salt += 1
+        ep_rate = rate * ep.gpus if (rate is not None and args.per_gpu_rate) else rate
+        if args.trace:
+            n = len(dataset or [])
+        elif args.duration:
+            n = max(1, math.ceil((ep_rate or 0) * args.duration))
+        else:
+            n = args.num_requests
+        specs = workload.build(n, ep_rate, seed=args.seed, salt=salt, arrival=args.arrival,
+                               prompt_len=plen, output_len=olen, dataset=dataset,
+                               trace=bool(args.trace), token_ids=token_ids)
+        warm = [] if ep.name in warmed else workload.build(
+            max(1, args.warmup), 1.0, seed=args.seed + 99, salt=-salt,
+            prompt_len=workload.LengthDist("16"), output_len=workload.LengthDist("4"),
+            token_ids=token_ids)[:args.warmup]
+        warmed.add(ep.name)
+        cfg = ClientConfig(model=models[ep.name], api=args.api, connect_s=args.connect_timeout,
+                           idle_s=args.idle_timeout, total_s=args.timeout, api_key=args.api_key)
+        label = f"{ep.name}@{ep_rate:g}" if ep_rate is not None else f"{ep.name}@trace"
+        with report.RunProgress(console, label, len(specs), enabled=not args.quiet) as prog:
+            outcome = asyncio.run(run_once(ep, specs, cfg, slo, run=label, rate=ep_rate,
+                                           on_done=prog.done, warmup=warm,
+                                           proxy_window_s=args.proxy_window))
+        for rec in outcome.records:
+            records_file.write(enc.encode(rec) + b"\n")
+        records_file.flush()
+        all_records.extend(outcome.records)
+        runs.append(outcome.summary)
+        return outcome.summary
+
+    def attainment(ep: Endpoint, rate: float) -> float:
+        return one_run(ep, rate).attainment
+
+    sweeps: list[SweepResult] = []
+    try:
+        if args.sweep:
+            lo_r, hi_r = _range(args.sweep, "--sweep")
+            for ep in eps:
+                best, probes = bisect_max_rate(lambda r, ep=ep: attainment(ep, r), lo_r, hi_r,
+                                               args.attainment, args.sweep_steps)
+                k = ep.gpus if args.per_gpu_rate else 1  # probes -> endpoint rates
+                sweeps.append(_sweep(ep, best.rate * k if best.rate is not None else None,
+                                     best.censored,
+                                     [SweepPoint(p.rate * k, p.attainment) for p in probes],
+                                     args.attainment))
+        else:
+            rates: list[float | None] = list(args.rate) if args.rate else [None]
+            for rate in rates:
+                for ep in eps:
+                    one_run(ep, rate)
+            if args.rate and len(args.rate) > 1:
+                for ep in eps:
+                    pts = [SweepPoint(r.rate or 0.0, r.attainment) for r in runs
+                           if r.endpoint == ep.name]
+                    best = max_rate_from_points(pts, args.attainment)
+                    sweeps.append(_sweep(ep, best.rate, best.censored, pts, args.attainment))
+    finally:
+        records_file.close()
+    result = BenchResult(slo=slo, target_attainment=args.attainment, command=sys.argv[:],
+                         runs=runs, sweeps=sweeps)
+    (out / "summary.json").write_bytes(msgspec.json.format(msgspec.json.encode(result)))
+    console.print(report.runs_table(runs, slo))
+    if sweeps:
+        console.print(report.sweeps_table(sweeps))
+    if not args.no_plots:
+        paths = [plots.latency_cdfs(all_records, slo, out / "latency_cdf.png")]
+        if any(r.rate is not None for r in runs):
+            paths.append(plots.attainment_vs_rate(runs, args.attainment,
+                                                  out / "attainment_vs_rate.png"))
+        console.print("plots: " + ", ".join(map(str, paths)))
+    console.print(f"records: {records_path}  summary: {out / 'summary.json'}")
+    if args.json:
+        sys.stdout.write(msgspec.json.encode(result).decode() + "\n")
+    broken = [r.run for r in runs if r.ok == 0]
+    if broken:
+        console.print(f"[red]no request succeeded in: {', '.join(broken)}[/red]")
+        return 2
+    return 0
+
+
+def _sweep(ep: Any, max_rate: float | None, censored: bool, points: list[Any],
+           target: float) -> Any:
+    """A SweepResult from endpoint rates (not per GPU)."""
+    from kvdisagg.bench.records import SweepResult
+
+    return SweepResult(endpoint=ep.name, gpus=ep.gpus, target=target, points=points,
+                       max_rate=max_rate,
+                       max_rate_per_gpu=None if max_rate is None else max_rate / ep.gpus,
+                       censored=censored)
