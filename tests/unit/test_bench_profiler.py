@@ -28,6 +28,9 @@ def test_steady_gaps_keep_only_the_all_active_window() -> None:
     # window (2.5, 5]: a's tokens at 3, 4, 5 and b's at 3, 3.5
     assert sorted(steady_gaps([a, b])) == [0.5, 0.5, 1.0, 1.0, 1.0]
     assert steady_gaps([]) == []
+    # Streams that never all overlap: every gap but the first of each stream.
+    late = stream(20.0, 1.0, [2.0, 3.0])
+    assert sorted(steady_gaps([a, late])) == [1.0, 1.0, 1.0, 3.0]
 
 
 def test_profiler_measures_known_times_and_fit_accepts_them() -> None:

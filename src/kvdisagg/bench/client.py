@@ -79,13 +79,17 @@ async def send(session: aiohttp.ClientSession, url: str, spec: RequestSpec, cfg:
                 rec.error = f"HTTP {resp.status}: {text[:MAX_ERROR_CHARS]}"
                 return rec
             async for raw in resp.content:
+                if done:
+                    continue
                 line = raw.strip()
                 if not line.startswith(b"data:"):
                     continue  # blank separators, SSE comments
                 payload = line[5:].strip()
                 if payload == b"[DONE]":
+                    # Read on to the end of the body (no break): closing the connection under
+                    # the server's final chunk makes a proxy count the request as aborted.
                     done = True
-                    break
+                    continue
                 now = time.perf_counter()
                 try:
                     event = _decode(payload)
@@ -97,6 +101,7 @@ async def send(session: aiohttp.ClientSession, url: str, spec: RequestSpec, cfg:
                     return rec
                 if _has_token(event):
                     stamps.append(now)
+            end = time.perf_counter()  # the body's end, after [DONE]
     except asyncio.TimeoutError:
         rec.error = (f"timeout after {time.perf_counter() - start:.1f}s (connect "
                      f"{cfg.connect_s}s, idle {cfg.idle_s}s, total {cfg.total_s}s)")
@@ -104,7 +109,6 @@ async def send(session: aiohttp.ClientSession, url: str, spec: RequestSpec, cfg:
     except (aiohttp.ClientError, ValueError) as exc:  # ValueError: an over-long stream line
         rec.error = f"{type(exc).__name__}: {str(exc)[:MAX_ERROR_CHARS]}"
         return rec
-    end = time.perf_counter()
     if not done:
         rec.error = "stream ended without [DONE]"
         return rec

@@ -148,7 +148,10 @@ def steady_gaps(recs: Sequence[RequestRecord]) -> list[float]:
         return []
     start = max(s[0] for s in spans)
     end = min(s[-1] for s in spans)
-    return [b - a for s in spans for a, b in zip(s, s[1:]) if start < b <= end]
+    gaps = [b - a for s in spans for a, b in zip(s, s[1:]) if start < b <= end]
+    if not gaps:  # the streams never all overlapped (prefill spread over several steps)
+        gaps = [b - a for s in spans for a, b in zip(s[1:], s[2:])]
+    return gaps
 
 
 def kv_bytes_per_token(model_dir: str) -> int:
