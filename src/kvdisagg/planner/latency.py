@@ -26,24 +26,39 @@ class LatencyModel:
         self.scale = scale
         """Multiplies every time (for what-if slower or faster hardware)."""
 
-    def prefill_stage_s(self, sum_len: float, sum_sq: float) -> float:
-        """Seconds one pipeline stage spends on a prefill batch (first-stage overheads included)."""
+    def prefill_stages_s(self, sum_len: float, sum_sq: float) -> tuple[float, float]:
+        """Seconds (first stage, each later stage) of a prefill batch.
+
+        Each stage does ``work / pp + pp_overhead_ms * pp`` (DistServe's literal form); only the
+        first stage pays the per-iteration overhead.
+        """
         a, b, c = self._pre
-        ms = (a + b * sum_len + c * sum_sq) / self.pp + self._pp_oh
-        ms += self._it + self._it_tok * sum_len
-        return ms * 1e-3 * self.scale
+        stage = (a + b * sum_len + c * sum_sq) / self.pp + self._pp_oh * self.pp
+        first = stage + self._it + self._it_tok * sum_len
+        return first * 1e-3 * self.scale, stage * 1e-3 * self.scale
 
     def prefill_s(self, sum_len: float, sum_sq: float) -> float:
         """Seconds from start to end of a prefill batch through all stages of an idle pipeline."""
-        return self.prefill_stage_s(sum_len, sum_sq) * self.pp
+        first, other = self.prefill_stages_s(sum_len, sum_sq)
+        return first + other * (self.pp - 1)
 
-    def decode_stage_s(self, batch: int, sum_ctx1: float) -> float:
-        """Seconds one stage spends on a decode step; ``sum_ctx1`` = sum of (context + 1)."""
+    def decode_stages_s(self, batch: int, sum_ctx1: float) -> tuple[float, float]:
+        """Seconds (first stage, each later stage) of a decode step; ``sum_ctx1`` = sum(ctx + 1)."""
         a, b, c = self._small if batch < self._thr else self._large
-        ms = (a + b * sum_ctx1 + c * batch) / self.pp
-        ms += self._it + self._it_tok * (sum_ctx1 - batch)
-        return ms * 1e-3 * self.scale
+        stage = (a + b * sum_ctx1 + c * batch) / self.pp
+        first = stage + self._it + self._it_tok * (sum_ctx1 - batch)
+        return first * 1e-3 * self.scale, stage * 1e-3 * self.scale
 
     def decode_s(self, batch: int, sum_ctx1: float) -> float:
         """Seconds for one decode step through all stages of an idle pipeline."""
-        return self.decode_stage_s(batch, sum_ctx1) * self.pp
+        first, other = self.decode_stages_s(batch, sum_ctx1)
+        return first + other * (self.pp - 1)
+
+    def decode_linear_s(self, batch: int) -> tuple[float, float]:
+        """``(c0, c1)`` with ``decode_s(batch, s) == c0 + c1 * s`` for this batch size.
+
+        The simulator uses it to jump over decode steps in closed form when nothing else happens.
+        """
+        a, b, c = self._small if batch < self._thr else self._large
+        k = 1e-3 * self.scale
+        return (a + c * batch + self._it - self._it_tok * batch) * k, (b + self._it_tok) * k
