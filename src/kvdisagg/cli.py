@@ -16,6 +16,8 @@ COMMANDS: dict[str, str] = {
     "tiny-model": "kvdisagg.testing.tiny_model",
     "bench": "kvdisagg.bench.cli",
     "profile": "kvdisagg.bench.profile_cli",
+    "plan": "kvdisagg.planner.plan_cli",
+    "simulate": "kvdisagg.planner.simulate_cli",
 }
 
 

@@ -1,0 +1,82 @@
+"""``kvdisagg plan``: DistServe's placement search on the simulator, with launch commands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+HELP = "find the placement (prefill/decode parallelism and counts) with the best goodput per GPU"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvdisagg.planner.cli_common import add_common
+
+    add_common(p)
+    p.add_argument("--gpus", type=int, required=True, help="GPUs available in all")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: all in one node)")
+    p.add_argument("--affinity", choices=["high", "low"], default="high",
+                   help="high: fast links between nodes (phases placed independently); "
+                        "low: KV must stay in a node (prefill and decode segments share nodes)")
+    p.add_argument("--rate", type=float, help="required rate, req/s: replicate the best unit to meet it")
+    p.add_argument("--colocated-profile", metavar="FILE",
+                   help="profile for the colocated baseline (default: --profile)")
+    p.add_argument("--base-port", type=int, default=8100, help="first instance port in the commands")
+
+
+def run(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from kvdisagg.errors import ConfigError
+    from kvdisagg.planner.cli_common import load_common, resolve_profile
+    from kvdisagg.planner.commands import Launch, launch_commands
+    from kvdisagg.planner.search import plan
+
+    try:
+        profile, seed, env, slo = load_common(args)
+        if args.gpus < 1 or (args.gpus_per_node is not None and args.gpus_per_node < 1):
+            raise ConfigError("--gpus and --gpus-per-node must be >= 1")
+        if args.rate is not None and args.rate <= 0:
+            raise ConfigError(f"--rate must be > 0, got {args.rate}")
+        col_env = None
+        if args.colocated_profile:
+            col_env = msgspec.structs.replace(env, profile=resolve_profile(args.colocated_profile, args.model))
+        result = plan(seed, env, slo, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
+                      affinity=args.affinity, rate=args.rate, colocated_env=col_env)
+    except ConfigError as exc:
+        print(f"kvdisagg plan: {exc}", file=sys.stderr)
+        return 2
+    gpn = args.gpus_per_node or args.gpus
+    cmds = launch_commands(result.deployment, profile.model, gpus_per_node=gpn, base_port=args.base_port,
+                           ttft_slo_s=args.ttft_slo, tpot_slo_s=args.tpot_slo)
+    lines = [c.command if isinstance(c, Launch) else c for c in cmds]
+    if args.json:
+        out = msgspec.to_builtins(result)
+        out["unit"]["placement"]["describe"] = result.unit.placement.describe()
+        out["commands"] = lines
+        out["model"] = profile.model
+        out["slo"] = msgspec.to_builtins(slo)
+        sys.stdout.write(msgspec.json.encode(out).decode() + "\n")
+        return 0
+    print(f"model {profile.model} ({profile.engine}, {profile.hardware}); {args.requests} requests of "
+          f"{args.workload}; TTFT<={args.ttft_slo:g}s TPOT<={args.tpot_slo:g}s at {slo.attainment:.0%}; "
+          f"{args.gpus} GPUs, {args.affinity} affinity")
+    print(f"best unit : {result.unit.placement.describe()}  goodput {result.unit.goodput:.3f} req/s "
+          f"= {result.unit.per_gpu:.3f} req/s/GPU")
+    print(f"deployment: {result.replicas} x unit = {result.deployment.describe()}  "
+          f"predicted {result.predicted_goodput:.3f} req/s")
+    if result.meets_rate is not None:
+        print(f"rate {args.rate:g} req/s: {'met' if result.meets_rate else 'NOT met within the GPU budget'}")
+    if result.colocated is not None:
+        c = result.colocated
+        ratio = result.unit.per_gpu / c.per_gpu if c.per_gpu > 0 else float("inf")
+        print(f"colocated : {c.placement.describe()}  {c.per_gpu:.3f} req/s/GPU  "
+              f"(disaggregated is {ratio:.2f}x per GPU)")
+    print(f"searched {len(result.candidates)} units jointly, {result.simulations} simulations, "
+          f"{result.elapsed_s:.1f}s")
+    print("\ncandidates (per GPU):")
+    for cand in result.candidates[:8]:
+        print(f"  {cand.per_gpu:8.3f}  {cand.placement.describe()}")
+    print("\nlaunch:")
+    for line in lines:
+        print("  " + line)
+    return 0
