@@ -26,7 +26,7 @@ class Launch(NamedTuple):
 def _kv_config(role: str) -> str:
     cfg: dict[str, object] = {"kv_connector": "DisaggConnector", "kv_role": role}
     if role == "kv_producer":
-        cfg["kv_connector_extra_config"] = {"transport": "tcp", "side_channel_host": "<this node's address>"}
+        cfg["kv_connector_extra_config"] = {"transport": "tcp", "side_channel_host": "PREFILL_HOST_ADDR"}
     return json.dumps(cfg, separators=(",", ":"))
 
 

@@ -1,0 +1,115 @@
+"""Goodput bisection, SLO scale, placement search vs brute force, launch commands and the CLI
+(planner/goodput.py, search.py, commands.py, plan_cli.py, simulate_cli.py)."""
+
+import itertools
+import json
+
+import pytest
+
+from kvdisagg.cli import main
+from kvdisagg.planner.commands import Launch, launch_commands
+from kvdisagg.planner.goodput import SimEnv, Slo, goodput, max_rate, tightest_slo_scale
+from kvdisagg.planner.placement import Colocated, Disaggregated
+from kvdisagg.planner.profile import ParallelProfile, Profile, save_profile
+from kvdisagg.planner.search import plan
+from kvdisagg.planner.workload import draw, load_lengths
+
+
+def _profile():
+    # tp2 is faster per request but not twice as fast: a real trade-off for the search.
+    def cfg(tp, k):
+        return ParallelProfile(tp=tp, prefill=(10 / k, 0.1 / k, 1e-5 / k), decode_small=(8 / k, 5e-4 / k, 0.05 / k),
+                               decode_large=(8 / k, 5e-4 / k, 0.05 / k), max_num_tokens=60000)
+    return Profile(model="toy", configs=(cfg(1, 1.0), cfg(2, 1.6)))
+
+
+def test_max_rate_finds_threshold():
+    r = max_rate(lambda rate: 1.0 if rate <= 3.7 else 0.0, 0.9, start=1.0, rel_tol=0.001)
+    assert r.rate == pytest.approx(3.7, rel=0.002) and r.rate <= 3.7
+    assert max_rate(lambda rate: 0.5, 0.9).rate == 0.0
+
+
+def test_goodput_falls_with_tighter_slo_and_scale_is_consistent():
+    env = SimEnv(profile=_profile())
+    seed = draw(load_lengths("sharegpt"), 400, seed=0)
+    pl = Disaggregated()
+    loose = goodput(pl, seed, env, Slo(ttft_s=1.0, tpot_s=0.1))
+    tight = goodput(pl, seed, env, Slo(ttft_s=0.3, tpot_s=0.05))
+    assert loose.rate > tight.rate > 0
+    # At the loose goodput rate, scale 1 of the loose SLO is (just) enough.
+    k = tightest_slo_scale(pl, seed.at_rate(loose.rate), env, Slo(ttft_s=1.0, tpot_s=0.1))
+    assert 0.5 < k <= 1.0
+
+
+def test_single_request_slo_scale_known_answer():
+    env = SimEnv(profile=_profile())
+    seed = draw(load_lengths("fixed:100:11"), 1, seed=0)
+    m_ttft = (10 + 0.1 * 100 + 1e-5 * 100**2) * 1e-3
+    # TTFT SLO = 2x the single-request prefill: scale 0.5 is the tightest met.
+    k = tightest_slo_scale(Disaggregated(), seed.at_rate(1.0), env, Slo(ttft_s=2 * m_ttft, tpot_s=10.0))
+    assert k == pytest.approx(0.5, rel=0.01)
+
+
+@pytest.mark.parametrize("affinity", ["high", "low"])
+def test_search_matches_brute_force(affinity):
+    env = SimEnv(profile=_profile())
+    seed = draw(load_lengths("sharegpt"), 200, seed=0)
+    slo = Slo(ttft_s=0.4, tpot_s=0.06)
+    gpus = 3
+    best = 0.0
+    for tp_p, tp_d, n_p, n_d in itertools.product((1, 2), (1, 2), (1, 2), (1, 2)):
+        pl = Disaggregated(prefill_tp=tp_p, decode_tp=tp_d, num_prefill=n_p, num_decode=n_d)
+        if pl.num_gpus <= gpus:
+            best = max(best, goodput(pl, seed, env, slo, rel_tol=0.03).rate / pl.num_gpus)
+    found = plan(seed, env, slo, gpus=gpus, gpus_per_node=gpus, affinity=affinity, rel_tol=0.03)
+    assert found.unit.per_gpu == pytest.approx(best, rel=0.04)
+    assert found.unit.placement.num_gpus <= gpus
+    assert found.colocated is not None and found.colocated.per_gpu > 0
+
+
+def test_plan_replicates_to_meet_rate():
+    env = SimEnv(profile=_profile())
+    seed = draw(load_lengths("sharegpt"), 200, seed=0)
+    slo = Slo(ttft_s=0.4, tpot_s=0.06)
+    free = plan(seed, env, slo, gpus=3, rel_tol=0.03)
+    want = free.unit.goodput * 2.5
+    p = plan(seed, env, slo, gpus=12, rate=want, rel_tol=0.03)
+    assert p.meets_rate and p.predicted_goodput >= want
+    assert p.replicas == -(-want // p.unit.goodput)
+    assert p.deployment.num_gpus == p.replicas * p.unit.placement.num_gpus <= 12
+    short = plan(seed, env, slo, gpus=free.unit.placement.num_gpus, rate=want, rel_tol=0.03)
+    assert short.meets_rate is False and short.replicas == 1
+
+
+def test_launch_commands_place_gpus_and_roles():
+    pl = Disaggregated(prefill_tp=2, decode_tp=1, num_prefill=2, num_decode=3)
+    cmds = launch_commands(pl, "m", gpus_per_node=4, ttft_slo_s=0.25, tpot_slo_s=0.1)
+    launches = [c for c in cmds if isinstance(c, Launch)]
+    assert [(c.role, c.node, c.gpus) for c in launches] == [
+        ("prefill", 0, (0, 1)), ("prefill", 0, (2, 3)), ("decode", 1, (0,)), ("decode", 1, (1,)), ("decode", 1, (2,))]
+    assert "--tensor-parallel-size 2" in launches[0].command and "kv_producer" in launches[0].command
+    assert "kv_consumer" in launches[2].command and "--tensor-parallel-size" not in launches[2].command
+    proxy = cmds[-1]
+    assert isinstance(proxy, str) and proxy.startswith("kvdisagg proxy --prefill http://<node0>:8100 http://<node0>:8101 --decode")
+    assert "--slo-ttft 0.25 --slo-tpot 0.1" in proxy
+    col = launch_commands(Colocated(tp=4, num_instances=2), "m", gpus_per_node=8)
+    assert len(col) == 2 and all("kv-transfer-config" not in c.command for c in col)
+
+
+def test_cli_simulate_and_plan_json(tmp_path, capsys):
+    path = tmp_path / "toy.json"
+    save_profile(_profile(), path)
+    common = ["--profile", str(path), "--ttft-slo", "0.4", "--tpot-slo", "0.06", "--requests", "200", "--json"]
+    assert main(["simulate", *common, "--prefill-tp", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["placement"]["prefill_tp"] == 2 and out["per_gpu"] > 0
+    assert main(["simulate", *common, "--colocated", "--rate", "1.0"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert 0 <= out["attainment"] <= 1 and out["slo_scale"] > 0
+    assert main(["plan", *common, "--gpus", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["unit"]["per_gpu"] > 0 and any(c.startswith("kvdisagg proxy") for c in out["commands"])
+    # Bad input is a clear error and exit code 2, not a traceback.
+    assert main(["simulate", *common, "--decode-tp", "3"]) == 2
+    assert "no config tp=3" in capsys.readouterr().err
+    assert main(["plan", *common[:-1], "--gpus", "0"]) == 2
