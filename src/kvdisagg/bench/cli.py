@@ -29,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", help="model name to send (default: the endpoint's first model)")
     g.add_argument("--api", choices=["completions", "chat"], default="completions")
     g.add_argument("--api-key")
+    g.add_argument("--extra-body", metavar="JSON", default="{}",
+                   help='fields added to every request, e.g. \'{"return_token_ids": true}\' '
+                        "(vLLM: exact token counts)")
     s = p.add_argument_group("objectives")
     s.add_argument("--ttft-slo", type=float, default=1.0, metavar="S",
                    help="TTFT objective, seconds (default 1.0, the proxy's default)")
@@ -159,6 +162,12 @@ def run(args: argparse.Namespace) -> int:
     lo, hi = _range(args.token_id_range, "--token-id-range")
     token_ids = None if args.text_prompts or args.api == "chat" else (int(lo), int(hi))
     slo = Slo(ttft_s=args.ttft_slo, tpot_s=args.tpot_slo)
+    try:
+        extra_body = json.loads(args.extra_body)
+    except ValueError as exc:
+        raise _fail(f"--extra-body is not JSON: {exc}") from None
+    if not isinstance(extra_body, dict):
+        raise _fail("--extra-body must be a JSON object")
     models = {e.name: args.model or _first_model(e.url, args.connect_timeout) for e in eps}
     # stderr: stdout stays clean for --json; wide when logged, so the tables stay readable
     console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
@@ -191,7 +200,8 @@ def run(args: argparse.Namespace) -> int:
             token_ids=token_ids)[:args.warmup]
         warmed.add(ep.name)
         cfg = ClientConfig(model=models[ep.name], api=args.api, connect_s=args.connect_timeout,
-                           idle_s=args.idle_timeout, total_s=args.timeout, api_key=args.api_key)
+                           idle_s=args.idle_timeout, total_s=args.timeout, api_key=args.api_key,
+                           extra_body=extra_body)
         label = f"{ep.name}@{ep_rate:g}" if ep_rate is not None else f"{ep.name}@trace"
         with report.RunProgress(console, label, len(specs), enabled=not args.quiet) as prog:
             outcome = asyncio.run(run_once(ep, specs, cfg, slo, run=label, rate=ep_rate,

@@ -50,10 +50,16 @@ def request_body(spec: RequestSpec, cfg: ClientConfig) -> dict[str, Any]:
     return body
 
 
-def _has_token(event: Any) -> bool:
-    """An event that carries one step of output (text may be empty mid-UTF-8 sequence)."""
+def _tokens_in(event: Any) -> int:
+    """Tokens an event carries: ``len(token_ids)`` when the server sends them (vLLM with
+    ``return_token_ids``), else 1 per event with a choice. vLLM sends several tokens in one
+    event when its API server falls behind the engine, and holds back a token that ends
+    mid-UTF-8 sequence, so only ids count exactly."""
     choices = event.get("choices") if isinstance(event, dict) else None
-    return bool(choices) and isinstance(choices, list)
+    if not choices or not isinstance(choices, list):
+        return 0
+    ids = choices[0].get("token_ids") if isinstance(choices[0], dict) else None
+    return len(ids) if isinstance(ids, list) else 1
 
 
 async def send(session: aiohttp.ClientSession, url: str, spec: RequestSpec, cfg: ClientConfig,
@@ -68,7 +74,7 @@ async def send(session: aiohttp.ClientSession, url: str, spec: RequestSpec, cfg:
                                     sock_read=cfg.idle_s)
     start = time.perf_counter()
     rec.sent_at_s = start - t0
-    stamps: list[float] = []
+    stamps: list[float] = []  # one per token: an event carrying k tokens stamps k times
     done = False
     try:
         async with session.post(url.rstrip("/") + path, data=_encode(request_body(spec, cfg)),
@@ -99,8 +105,7 @@ async def send(session: aiohttp.ClientSession, url: str, spec: RequestSpec, cfg:
                 if isinstance(event, dict) and event.get("error"):
                     rec.error = f"error event: {str(event['error'])[:MAX_ERROR_CHARS]}"
                     return rec
-                if _has_token(event):
-                    stamps.append(now)
+                stamps.extend([now] * _tokens_in(event))
             end = time.perf_counter()  # the body's end, after [DONE]
     except asyncio.TimeoutError:
         rec.error = (f"timeout after {time.perf_counter() - start:.1f}s (connect "
@@ -118,7 +123,7 @@ async def send(session: aiohttp.ClientSession, url: str, spec: RequestSpec, cfg:
     rec.ok = True
     rec.output_tokens = len(stamps)
     rec.ttft_s = stamps[0] - start
-    rec.itl_s = [b - a for a, b in zip(stamps, stamps[1:])]
+    rec.itl_s = [b - a for a, b in zip(stamps, stamps[1:])]  # 0 inside a coalesced event
     if len(stamps) >= 2:
         rec.tpot_s = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
     rec.e2e_s = end - start
