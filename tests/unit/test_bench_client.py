@@ -235,3 +235,15 @@ def _wait_port(port: int, timeout_s: float = 20.0) -> None:
         except OSError:
             time.sleep(0.1)
     raise RuntimeError(f"fake server on {port} did not start")
+
+
+def test_endpoint_names_and_gpus() -> None:
+    import argparse
+
+    from kvdisagg.bench.cli import _endpoints
+
+    eps = _endpoints(argparse.Namespace(url=["a=http://h:1/v?x=2", "http://h:2/"], gpus=[3]))
+    assert [(e.name, e.url, e.gpus) for e in eps] == [("a", "http://h:1/v?x=2", 3),
+                                                      ("ep1", "http://h:2", 3)]
+    with pytest.raises(SystemExit, match="names must differ"):
+        _endpoints(argparse.Namespace(url=["a=http://h:1", "a=http://h:2"], gpus=[1]))

@@ -96,7 +96,8 @@ def _endpoints(args: argparse.Namespace):  # -> list[Endpoint]
                     "per URL or one for all")
     eps = []
     for i, (spec, n) in enumerate(zip(urls, gpus)):
-        name, _, url = spec.rpartition("=") if "=" in spec.split("://")[0] else ("", "", spec)
+        # NAME=URL: the first "=" before "://" (a query string may hold more)
+        name, _, url = spec.partition("=") if "=" in spec.split("://")[0] else ("", "", spec)
         if not url.startswith(("http://", "https://")):
             raise _fail(f"--url {spec!r}: the URL must start with http:// or https://")
         if n < 1:
