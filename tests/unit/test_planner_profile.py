@@ -96,10 +96,13 @@ def test_distserve_import_matches_published_formula():
     # decode, B=10, ctx 500 each: small-batch curve.
     a, b, c = 19.934702624895458, 0.0006269356524350583, 0.03850697740828398
     assert m.decode_s(10, 10 * 501) == pytest.approx((a + b * 5010 + c * 10 + 2 + 1e-4 * 5000) * 1e-3)
-    # PP divides the work per stage and adds 1 ms per stage to a prefill.
+    # PP divides the work per stage and adds pp ms to each stage; overheads on the first stage only.
     m2 = LatencyModel(prof.get(1, 2))
     work = 18.10254647486372 + 0.1019122572698738 * 1000 + 7.122264314252114e-06 * 1e6
-    assert m2.prefill_stage_s(1000, 1e6) == pytest.approx((work / 2 + 1 + 2 + 0.1) * 1e-3)
+    first, other = m2.prefill_stages_s(1000, 1e6)
+    assert other == pytest.approx((work / 2 + 2) * 1e-3)
+    assert first == pytest.approx((work / 2 + 2 + 2 + 0.1) * 1e-3)
+    assert m2.prefill_s(1000, 1e6) == pytest.approx(first + other)
 
 
 def test_distserve_file_needs_model():
@@ -109,3 +112,16 @@ def test_distserve_file_needs_model():
         load_profile(DATA / "profiler-a100-80g.vllm.json", model="facebook/opt-1b")
     with pytest.raises(ConfigError, match="no config tp=3"):
         load_profile(DATA / "profiler-a100-80g.vllm.json", model="facebook/opt-13b").get(3, 1)
+
+
+def test_planner_never_imports_vllm():
+    import subprocess
+    import sys
+
+    code = ("import sys, kvdisagg.cli\n"
+            "import kvdisagg.planner.plan_cli, kvdisagg.planner.simulate_cli, kvdisagg.planner.search\n"
+            "import kvdisagg.planner.commands, kvdisagg.planner.cli_common\n"
+            "bad = sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.'))\n"
+            "assert not bad, bad\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
