@@ -145,3 +145,17 @@ def test_deterministic_under_seed():
     assert not np.array_equal(runs[0].finish, runs[2].finish)
     assert not np.isnan(runs[0].finish).any()
     assert math.isfinite(float(np.max(runs[0].finish)))
+
+
+def test_client_definition_counts_the_handoff():
+    # Through our proxy the first token comes from decode's first step, not from prefill.
+    from kvdisagg.planner.goodput import latencies
+
+    m = _model()
+    tl = simulate_disaggregated(_req([0.0], [200], [5]), [InstanceSpec(m)], [InstanceSpec(m)])
+    ttft_ds, tpot_ds = latencies(tl, "distserve", colocated=False)
+    ttft_cl, tpot_cl = latencies(tl, "client", colocated=False)
+    assert ttft_ds[0] == pytest.approx(m.prefill_s(200, 200**2))
+    assert ttft_cl[0] == pytest.approx(ttft_ds[0] + m.decode_s(1, 201))
+    assert tpot_ds[0] == pytest.approx(_decode_total(m, 1, 200, 5) / 5)
+    assert tpot_cl[0] == pytest.approx((_decode_total(m, 1, 200, 5) - m.decode_s(1, 201)) / 4)

@@ -73,8 +73,12 @@ class Searcher:
     """Caches phase-alone and joint goodputs for one (trace seed, env, SLO)."""
 
     def __init__(self, seed: TraceSeed, env: SimEnv, slo: Slo, *, rel_tol: float = 0.01,
-                 max_verify: int = 12) -> None:
+                 max_verify: int = 12, phase_requests: int = 1000) -> None:
         self.seed, self.env, self.slo = seed, env, slo
+        # Phase-alone runs only rank candidates, so they use a prefix of the trace; the joint
+        # verification that decides uses all of it.
+        k = min(len(seed.gaps), phase_requests)
+        self.phase_seed = TraceSeed(seed.gaps[:k], seed.prompt[:k], seed.output[:k])
         self.rel_tol, self.max_verify = rel_tol, max_verify
         self.simulations = 0
         self._phase: dict[tuple[str, int, int], float] = {}
@@ -83,7 +87,7 @@ class Searcher:
     def phase_rate(self, phase: Literal["prefill", "decode"], tp: int, pp: int) -> float:
         key = (phase, tp, pp)
         if key not in self._phase:
-            r = phase_goodput(phase, tp, pp, self.seed, self.env, self.slo, rel_tol=self.rel_tol)
+            r = phase_goodput(phase, tp, pp, self.phase_seed, self.env, self.slo, rel_tol=max(self.rel_tol, 0.02))
             self.simulations += r.simulations
             self._phase[key] = r.rate
         return self._phase[key]
