@@ -53,7 +53,7 @@ def test_single_request_slo_scale_known_answer():
 @pytest.mark.parametrize("affinity", ["high", "low"])
 def test_search_matches_brute_force(affinity):
     env = SimEnv(profile=_profile())
-    seed = draw(load_lengths("sharegpt"), 200, seed=0)
+    seed = draw(load_lengths("sharegpt"), 120, seed=0)
     slo = Slo(ttft_s=0.4, tpot_s=0.06)
     gpus = 3
     best = 0.0
@@ -69,7 +69,7 @@ def test_search_matches_brute_force(affinity):
 
 def test_plan_replicates_to_meet_rate():
     env = SimEnv(profile=_profile())
-    seed = draw(load_lengths("sharegpt"), 200, seed=0)
+    seed = draw(load_lengths("sharegpt"), 120, seed=0)
     slo = Slo(ttft_s=0.4, tpot_s=0.06)
     free = plan(seed, env, slo, gpus=3, rel_tol=0.03)
     want = free.unit.goodput * 2.5
