@@ -111,7 +111,10 @@ def test_bench_colocated_vs_disaggregated_and_proxy_agrees(bench_fleet, tmp_path
         p = r["proxy"]
         assert p is not None, "the SLO proxy exported no kvdisagg_proxy_slo_* metrics"
         assert p["judged"] == r["ok"]
-        assert abs(p["attainment"] - r["attainment"]) <= 0.05, (p, r["attainment"])
+        # 5% plus one request: the proxy times TPOT per SSE event, so a request whose tokens
+        # vLLM coalesced under CPU starvation can flip on its side (docs/bench.md).
+        assert abs(p["attainment"] - r["attainment"]) <= 0.05 + 1 / r["requests"], (
+            p, r["attainment"])
         assert abs(p["goodput_rps"] - r["goodput_rps"]) <= 0.05 * r["goodput_rps"] + 1 / r[
             "duration_s"], (p, r["goodput_rps"])
         # The live gauge (sliding window) against bench's count over the same window.
