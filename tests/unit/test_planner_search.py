@@ -113,3 +113,5 @@ def test_cli_simulate_and_plan_json(tmp_path, capsys):
     assert main(["simulate", *common, "--decode-tp", "3"]) == 2
     assert "no config tp=3" in capsys.readouterr().err
     assert main(["plan", *common[:-1], "--gpus", "0"]) == 2
+    assert main(["plan", *common[:-1], "--gpus", "1"]) == 2
+    assert "at least 2 GPUs" in capsys.readouterr().err

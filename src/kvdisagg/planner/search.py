@@ -194,6 +194,9 @@ def plan(seed: TraceSeed, env: SimEnv, slo: Slo, *, gpus: int, gpus_per_node: in
          colocated_env: SimEnv | None = None, rel_tol: float = 0.01) -> Plan:
     """Search placements for ``gpus`` GPUs; ``colocated_env`` may use another profile (DistServe
     compares against vLLM's own profile)."""
+    if gpus < 2:
+        raise ConfigError(f"a disaggregated plan needs at least 2 GPUs (one prefill, one decode), got {gpus}; "
+                          "use `kvdisagg simulate --colocated` for a single instance")
     t0 = time.perf_counter()
     s = Searcher(seed, env, slo, rel_tol=rel_tol)
     if affinity == "high":
