@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 import urllib.request
@@ -17,13 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from kvdisagg.testing.fleet import Fleet
+from kvdisagg.testing.servers import metric_value
 from kvdisagg.testing.tiny_model import ensure_tiny_model
-
-
-def _counter(base_url: str, name: str) -> float:
-    text = urllib.request.urlopen(base_url + "/metrics", timeout=10).read().decode()
-    return sum(float(m.group(2)) for m in re.finditer(rf"^({re.escape(name)})(?:\{{[^}}]*\}})? (\S+)$",
-                                                        text, re.M))
 
 
 def _stream(url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
@@ -67,15 +61,15 @@ def run_demo(num_requests: int = 8, log_dir: str = "out/demo") -> int:
         print(f"ready: proxy {fleet.proxy_url}, prefill {fleet.prefill.base_url}, "
               f"decode {fleet.decode.base_url}", flush=True)
         d = fleet.decode.base_url
-        bytes0, secs0 = (_counter(d, "vllm:kvdisagg_pulled_bytes_total"),
-                         _counter(d, "vllm:kvdisagg_pull_seconds_total"))
+        bytes0, secs0 = (metric_value(d, "vllm:kvdisagg_pulled_bytes_total"),
+                         metric_value(d, "vllm:kvdisagg_pull_seconds_total"))
         with ThreadPoolExecutor(4) as pool:
             results = list(pool.map(lambda p: _stream(fleet.proxy_url, p, max_tokens), prompts))
         refs = [_reference(fleet.reference.base_url, p, max_tokens) for p in prompts]
         time.sleep(1.5)  # engine stats are published on an interval
-        moved = _counter(d, "vllm:kvdisagg_pulled_bytes_total") - bytes0
-        xfer = _counter(d, "vllm:kvdisagg_pull_seconds_total") - secs0
-        usage = _counter(fleet.prefill.base_url, "vllm:kv_cache_usage_perc")
+        moved = metric_value(d, "vllm:kvdisagg_pulled_bytes_total") - bytes0
+        xfer = metric_value(d, "vllm:kvdisagg_pull_seconds_total") - secs0
+        usage = metric_value(fleet.prefill.base_url, "vllm:kv_cache_usage_perc")
 
     print(f"\n{'req':>3} {'prompt words':>12} {'TTFT ms':>9} {'TPOT ms':>9}  match")
     for i, (p, r, ref) in enumerate(zip(prompts, results, refs)):

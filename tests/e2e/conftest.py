@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import time
 import urllib.error
 import urllib.request
@@ -15,7 +14,7 @@ from typing import Any
 import pytest
 
 from kvdisagg.testing.fleet import Fleet, kv_transfer_args
-from kvdisagg.testing.servers import VllmServer
+from kvdisagg.testing.servers import VllmServer, metric_value
 from kvdisagg.testing.tiny_model import ensure_tiny_model
 
 BLOCK = 128
@@ -71,15 +70,7 @@ def post_stream(url: str, body: dict[str, Any], timeout: float = 120) -> list[di
 
 def metric(base_url: str, name: str, **labels: str) -> float:
     """Sum of the samples of ``name`` whose labels include ``labels``."""
-    text = urllib.request.urlopen(base_url + "/metrics", timeout=10).read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(r"^([\w:]+)(\{[^}]*\})?\s+(\S+)$", line)
-        if not m or m.group(1) != name:
-            continue
-        if all(f'{k}="{v}"' in (m.group(2) or "") for k, v in labels.items()):
-            total += float(m.group(3))
-    return total
+    return metric_value(base_url, name, timeout_s=10, **labels)
 
 
 def wait_kv_usage_zero(base_url: str, timeout: float) -> float:

@@ -13,6 +13,8 @@ import urllib.request
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from kvdisagg.bench.scrape import parse, total
+
 __all__ = ["LMCacheServer", "VllmServer", "free_port", "metric_value", "VllmServerError"]
 
 
@@ -227,41 +229,12 @@ class LMCacheServer:
         self.stop()
 
 
-def metric_value(base_url: str, name: str, timeout_s: float = 5.0) -> float:
-    """Sum all samples of Prometheus metric ``name`` from ``base_url/metrics``.
-
-    Matches ``name`` exactly (with or without labels); a counter's ``_total``
-    form is also accepted when ``name`` itself has no samples.
-    """
+def metric_value(base_url: str, name: str, timeout_s: float = 5.0, **labels: str) -> float:
+    """Sum of the samples of Prometheus metric ``name`` at ``base_url/metrics`` whose labels
+    include ``labels`` (0 if none); a counter's ``_total`` form is accepted for ``name``."""
     with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=timeout_s) as r:
-        text = r.read().decode("utf-8", "replace")
-
-    def _sum(metric: str) -> tuple[float, int]:
-        total, count = 0.0, 0
-        for line in text.splitlines():
-            if not line or line.startswith("#"):
-                continue
-            if "{" in line:
-                mname = line.split("{", 1)[0]
-                rest = line.rsplit("}", 1)[1]
-            else:
-                parts = line.split(None, 1)
-                if len(parts) < 2:
-                    continue
-                mname, rest = parts
-            if mname != metric:
-                continue
-            fields = rest.split()
-            if not fields:
-                continue
-            try:
-                total += float(fields[0])
-                count += 1
-            except ValueError:
-                continue
-        return total, count
-
-    total, count = _sum(name)
-    if count == 0 and not name.endswith("_total"):
-        total, count = _sum(name + "_total")
-    return total
+        samples = parse(r.read().decode("utf-8", "replace"))
+    value = total(samples, name, **labels)
+    if value is None and not name.endswith("_total"):
+        value = total(samples, name + "_total", **labels)
+    return value or 0.0
