@@ -106,21 +106,24 @@ def test_bench_colocated_vs_disaggregated_and_proxy_agrees(bench_fleet, tmp_path
     for r in runs:
         assert r["goodput_rps_per_gpu"] == pytest.approx(r["goodput_rps"] / r["gpus"])
 
-    # The proxy judged the same requests and agrees with the client within a few percent.
+    # The proxy judged the same requests and agrees with the client within a few percent, once
+    # both time TPOT the same way: the proxy per SSE event, bench per token (exact ids). Under
+    # CPU starvation vLLM packs tokens into one event and the two definitions part; bench
+    # reports both (docs/bench.md).
     for r in (r for r in runs if r["endpoint"] == "disagg"):
         p = r["proxy"]
         assert p is not None, "the SLO proxy exported no kvdisagg_proxy_slo_* metrics"
-        assert p["judged"] == r["ok"]
-        # 5% plus one request: the proxy times TPOT per SSE event, so a request whose tokens
-        # vLLM coalesced under CPU starvation can flip on its side (docs/bench.md).
-        assert abs(p["attainment"] - r["attainment"]) <= 0.05 + 1 / r["requests"], (
-            p, r["attainment"])
-        assert abs(p["goodput_rps"] - r["goodput_rps"]) <= 0.05 * r["goodput_rps"] + 1 / r[
-            "duration_s"], (p, r["goodput_rps"])
+        assert p["judged"] == r["ok"] == r["requests"]
+        slack = max(1.0, 0.05 * r["requests"])  # requests
+        assert abs(p["met_both"] - p["bench_met_both_per_event"]) <= slack, p
+        assert abs(p["goodput_rps"] - p["bench_met_both_per_event"] / r["duration_s"]) <= (
+            slack / r["duration_s"]), p
         # The live gauge (sliding window) against bench's count over the same window.
         assert p["gauge_goodput_rps"] is not None
-        assert abs(p["gauge_goodput_rps"] - p["bench_window_goodput_rps"]) <= (
-            0.05 * p["bench_window_goodput_rps"] + 1 / WINDOW_S), p
+        assert abs(p["gauge_goodput_rps"] - p["bench_window_goodput_rps_per_event"]) <= (
+            max(1.0, 0.05 * p["gauge_goodput_rps"] * WINDOW_S) / WINDOW_S), p
+        # Per token, bench can only count more good requests than per event.
+        assert r["attainment"] * r["requests"] >= p["bench_met_both_per_event"]
     assert all(r["proxy"] is None for r in runs if r["endpoint"] == "colocated")
 
 

@@ -135,6 +135,7 @@ def test_proxy_accounting_matches_bench() -> None:
     good = sum(r.met_both for r in out.records)
     assert s.ok == 24 and 0 < good < 24
     assert pv.judged == 24 and pv.met_both == good
+    assert pv.bench_met_both_per_event == good  # one token per event: the definitions agree
     assert pv.attainment == pytest.approx(s.attainment)
     assert pv.goodput_rps == pytest.approx(s.goodput_rps)
     assert pv.gauge_goodput_rps is not None and pv.bench_window_goodput_rps is not None

@@ -197,3 +197,16 @@ def test_build_same_lengths_new_prompts_per_run() -> None:
     assert [s.at_s for s in b] == pytest.approx([s.at_s / 3 for s in a])
     text = workload.build(2, 1.0, salt=1, token_ids=None, **kw)
     assert isinstance(text[0].prompt, str) and len(text[0].prompt.split()) == text[0].prompt_len
+
+
+def test_met_per_event_times_tpot_like_the_proxy() -> None:
+    from kvdisagg.bench.stats import met_per_event
+
+    # 5 tokens in 2 events: first at TTFT, then 4 packed in one event 0.12 s later.
+    r = rec(ttft=0.1, tpot=0.03, tokens=5)
+    r.itl_s, r.output_events = [0.12, 0.0, 0.0, 0.0], 2
+    assert r.met_both  # per token: 0.12 / 4 = 0.03 <= 0.05
+    assert not met_per_event(r, SLO)  # per event: 0.12 / 1 > 0.05
+    r.output_events = 5
+    assert met_per_event(r, SLO)
+    assert not met_per_event(rec(ok=False), SLO)

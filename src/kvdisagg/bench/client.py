@@ -105,7 +105,10 @@ async def send(session: aiohttp.ClientSession, url: str, spec: RequestSpec, cfg:
                 if isinstance(event, dict) and event.get("error"):
                     rec.error = f"error event: {str(event['error'])[:MAX_ERROR_CHARS]}"
                     return rec
-                stamps.extend([now] * _tokens_in(event))
+                k = _tokens_in(event)
+                if k:
+                    stamps.extend([now] * k)
+                    rec.output_events += 1
             end = time.perf_counter()  # the body's end, after [DONE]
     except asyncio.TimeoutError:
         rec.error = (f"timeout after {time.perf_counter() - start:.1f}s (connect "

@@ -29,7 +29,8 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     ok: bool = False
     status: int | None = None
     error: str | None = None
-    output_tokens: int = 0  # streamed token events received
+    output_tokens: int = 0  # tokens received (exact with token_ids, else one per event)
+    output_events: int = 0  # stream events that carried tokens (vLLM may pack several in one)
     ttft_s: float | None = None  # sent -> first token event
     tpot_s: float | None = None  # (last - first token) / (output_tokens - 1); None below 2 tokens
     e2e_s: float | None = None
@@ -59,6 +60,10 @@ class ProxyView(msgspec.Struct, kw_only=True):
     gauge_at_s: float | None = None  # when that scrape was taken (run clock)
     bench_window_goodput_rps: float | None = None  # bench's own count over the same window
     window_s: float | None = None
+    # Bench's records judged as the proxy judges them: TPOT per SSE event, not per token. The
+    # two differ when vLLM packs several tokens into one event (a starved API server).
+    bench_met_both_per_event: float | None = None
+    bench_window_goodput_rps_per_event: float | None = None
 
 
 class RunSummary(msgspec.Struct, kw_only=True):

@@ -18,7 +18,7 @@ import aiohttp
 from kvdisagg.bench import scrape
 from kvdisagg.bench.client import ClientConfig, send
 from kvdisagg.bench.records import ProxyView, RequestRecord, RunSummary, Slo
-from kvdisagg.bench.stats import judge, summarize, window_goodput
+from kvdisagg.bench.stats import judge, met_per_event, summarize, window_goodput
 from kvdisagg.bench.workload import RequestSpec
 
 
@@ -50,20 +50,23 @@ async def _warmup(session: aiohttp.ClientSession, ep: Endpoint, specs: Sequence[
 
 def proxy_view(before: scrape.ProxySnapshot | None, after: scrape.ProxySnapshot | None,
                records: Sequence[RequestRecord], duration_s: float, after_at_s: float,
-               window_s: float | None) -> ProxyView | None:
+               window_s: float | None, slo: Slo) -> ProxyView | None:
     """The proxy's own accounting of the run, next to bench's count over the same window."""
     if before is None or after is None:
         return None
     judged = after.judged - before.judged
     met = after.met_both - before.met_both
     view = ProxyView(judged=judged, met_both=met, attainment=met / judged if judged else None,
-                     goodput_rps=met / duration_s if duration_s > 0 else 0.0)
+                     goodput_rps=met / duration_s if duration_s > 0 else 0.0,
+                     bench_met_both_per_event=sum(met_per_event(r, slo) for r in records))
     # The gauge's window must lie inside the run, or it also counts earlier traffic.
     if window_s and after.goodput_rps is not None and after_at_s >= window_s:
         view.gauge_goodput_rps = after.goodput_rps
         view.gauge_at_s = after_at_s
         view.window_s = window_s
         view.bench_window_goodput_rps = window_goodput(records, after_at_s, window_s)
+        view.bench_window_goodput_rps_per_event = window_goodput(
+            records, after_at_s, window_s, lambda r: met_per_event(r, slo))
     return view
 
 
@@ -99,5 +102,5 @@ async def run_once(ep: Endpoint, specs: Sequence[RequestSpec], cfg: ClientConfig
         after = scrape.proxy_snapshot(await scrape.fetch(session, ep.url) or [])
     summary = summarize(records, endpoint=ep.name, url=ep.url, run=run, gpus=ep.gpus, rate=rate)
     summary.proxy = proxy_view(before, after, records, summary.duration_s, after_at,
-                               proxy_window_s)
+                               proxy_window_s, slo)
     return RunOutcome(records, summary)

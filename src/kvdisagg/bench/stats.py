@@ -9,7 +9,7 @@ it instead of disappearing.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from kvdisagg.bench.records import Percentiles, RequestRecord, RunSummary, Slo
 
@@ -43,6 +43,15 @@ def judge(rec: RequestRecord, slo: Slo) -> RequestRecord:
     return rec
 
 
+def met_per_event(rec: RequestRecord, slo: Slo) -> bool:
+    """Both SLOs met with TPOT taken per stream event, the way ``kvdisagg proxy`` times it."""
+    if not rec.ok or rec.ttft_s is None or rec.ttft_s > slo.ttft_s:
+        return False
+    if rec.output_events < 2:
+        return True
+    return sum(rec.itl_s) / (rec.output_events - 1) <= slo.tpot_s
+
+
 def duration(records: Sequence[RequestRecord]) -> float:
     """First arrival (0) to the last completion, or to the last send when nothing completed."""
     ends = [r.done_at_s for r in records if r.done_at_s is not None]
@@ -50,13 +59,15 @@ def duration(records: Sequence[RequestRecord]) -> float:
     return max(ends, default=0.0)
 
 
-def window_goodput(records: Sequence[RequestRecord], end_s: float, window_s: float) -> float:
+def window_goodput(records: Sequence[RequestRecord], end_s: float, window_s: float,
+                   good: Callable[[RequestRecord], bool] | None = None) -> float:
     """Good requests completed in ``(end_s - window_s, end_s]`` per second of window: what a
-    sliding-window gauge such as ``kvdisagg_proxy_goodput_rps`` shows at ``end_s``."""
+    sliding-window gauge such as ``kvdisagg_proxy_goodput_rps`` shows at ``end_s``. ``good``
+    defaults to ``met_both``."""
     if window_s <= 0:
         raise ValueError(f"window_s must be > 0, got {window_s}")
-    n = sum(1 for r in records if r.met_both and r.done_at_s is not None
-            and end_s - window_s < r.done_at_s <= end_s)
+    n = sum(1 for r in records if (good(r) if good else r.met_both)
+            and r.done_at_s is not None and end_s - window_s < r.done_at_s <= end_s)
     return n / window_s
 
 
