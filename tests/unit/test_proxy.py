@@ -257,7 +257,38 @@ def test_decode_500_before_first_byte_reprefills_on_retry() -> None:
             r = await env.client.post("/v1/completions", json=GEN)
             assert r.status == 502
             assert "decode failed" in (await r.json())["error"]["message"]
+            # the only decode answered, so it got the retry, with a fresh handoff
+            assert len(env.prefill[0].seen) == 2 and len(env.decode[0].seen) == 2
     run(t())
+
+
+def test_failed_kv_load_on_only_decode_reprefills_on_other_prefill_and_retries() -> None:
+    """A prefill dies after handing off: decode's KV load fails (500, or an error event as the
+    stream's first event). Nothing reached the client yet, so the proxy re-prefills (on the
+    other prefill) and retries the only decode; its breaker stays closed."""
+    async def t(stream: bool) -> None:
+        async with proxy(n_prefill=2, n_decode=1) as env:
+            d = env.decode[0]
+            for round_ in range(4):  # more than breaker.failure_threshold
+                d.kv_load_failures = 1
+                r = await env.client.post("/v1/completions", json={**GEN, "stream": stream})
+                assert r.status == 200, await r.text()
+                data = await r.read()
+                assert b'"error"' not in data
+                assert (data.endswith(b"data: [DONE]\n\n") if stream
+                        else b"t0 t1" in data)
+            assert len(d.seen) == 8
+            assert len(env.prefill[0].seen) + len(env.prefill[1].seen) == 8
+            text = await env.metrics()
+            kind = "error_event" if stream else "status"
+            assert metric(text, "kvdisagg_proxy_instance_errors_total", side="decode",
+                          kind=kind) == 4
+            assert metric(text, "kvdisagg_proxy_instance_healthy", role="decode") == 1
+            r = await env.client.get("/admin/list")
+            info = [i for i in (await r.json())["instances"] if i["role"] == "decode"][0]
+            assert info["breaker"] == "closed" and info["errors"]["decode"] == 4
+    run(t(False))
+    run(t(True))
 
 
 def test_decode_dying_or_hanging_mid_stream_ends_with_error_event() -> None:

@@ -10,6 +10,10 @@ Failure rules (each retry bounded by ``retry.*`` and logged):
 - prefill or decode 4xx: the client's request is bad; relayed as is, no retry;
 - decode failure before the first byte: retry on another decode; a refused connection reuses
   the handoff (decode never saw it), anything else re-prefills first (the KV may be gone);
+  a stream whose first event is an error (vLLM's answer to a failed KV load) counts as failing
+  before the first byte, since the client has seen nothing yet; with no other decode, one that
+  answered (it is alive; its KV source may have died) gets the retry with a fresh handoff, and
+  a 500 or error event after a handoff does not open its breaker;
 - decode failure mid-stream: an error event then ``[DONE]`` ends the stream;
 - client disconnect: the handler is cancelled and the upstream connection aborted, which
   makes vLLM abort the request and free its blocks.
@@ -37,6 +41,7 @@ log = logging.getLogger("kvdisagg.proxy")
 
 _RID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _RETRYABLE = frozenset((408, 429))
+_ERROR_EVENT = b'data: {"error"'  # vLLM's streamed error, e.g. after a failed KV load
 
 
 class LegFailure(NamedTuple):
@@ -87,6 +92,10 @@ class Handoff:
     async def serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         m = self.metrics
         endpoint = "chat" if chat else "completions"
+        if self.shutting_down:  # a kept-alive client after the listener closed: go elsewhere
+            m.request_done(endpoint, "shed")
+            return error_response(503, "proxy is shutting down", "service_unavailable",
+                                  {"Connection": "close", "Retry-After": "1"})
         loop = self._loop or asyncio.get_running_loop()
         self._loop = loop
         t0 = loop.time()
@@ -228,10 +237,15 @@ class Handoff:
         t = cfg.timeouts
         tokens = body.route.max_tokens
         tried: list[Instance] = []
+        answered: list[Instance] = []  # failed with an HTTP answer: alive, may take a retry
         failures: list[str] = []
         for attempt in range(cfg.retry.decode_attempts):
-            sel = self.decode_policy.select(body.route, reg.candidates(Side.DECODE, tuple(tried)),
-                                            Side.DECODE)
+            cands = reg.candidates(Side.DECODE, tuple(tried))
+            if not cands and answered:
+                # No other decode: one that answered with an error (typically a KV load that
+                # failed because its prefill died) gets the retry, with a fresh handoff.
+                cands = [i for i in reg.candidates(Side.DECODE) if i in answered]
+            sel = self.decode_policy.select(body.route, cands, Side.DECODE)
             inst = sel.instance
             if inst is None:
                 break
@@ -252,38 +266,41 @@ class Handoff:
             except UpstreamError as exc:
                 inst.finish(Side.DECODE, tokens, False)
                 m.leg_error(inst.url, Side.DECODE, _kind(exc))
-                failures.append(f"decode {inst.url}: {exc}")
-                tried.append(inst)
-                log.warning("request %s: decode attempt %d/%d failed: %s", rid, attempt + 1,
-                            cfg.retry.decode_attempts, failures[-1])
-                if exc.sent and pre.kv is not None and attempt + 1 < cfg.retry.decode_attempts:
-                    again = await self._prefill(body, path, headers, rid)
-                    if isinstance(again, web.Response):
-                        return again, "error"
-                    pre = again
-                continue
+                failure = f"decode {inst.url}: {exc}"
+                reprefill = exc.sent  # a refused connection: decode never saw the handoff
             except asyncio.CancelledError:
                 inst.finish(Side.DECODE, tokens, None)
                 raise
-            if resp.status >= 500 or resp.status in _RETRYABLE:
-                try:
-                    data = await resp.read(t.decode_connect_s)
-                except UpstreamError:
-                    data = b""
-                inst.finish(Side.DECODE, tokens, False)
-                m.leg_error(inst.url, Side.DECODE, "status")
-                failures.append(f"decode {inst.url} returned {resp.status}: "
-                                f"{data[:300].decode('utf-8', 'replace')}")
-                tried.append(inst)
-                log.warning("request %s: decode attempt %d/%d failed: %s", rid, attempt + 1,
-                            cfg.retry.decode_attempts, failures[-1])
-                if pre.kv is not None and attempt + 1 < cfg.retry.decode_attempts:
-                    again = await self._prefill(body, path, headers, rid)
-                    if isinstance(again, web.Response):
-                        return again, "error"
-                    pre = again
-                continue
-            return await self._relay(request, body, resp, inst, rid, pre, t0)
+            else:
+                if resp.status >= 500 or resp.status in _RETRYABLE:
+                    try:
+                        data = await resp.read(t.decode_connect_s)
+                    except UpstreamError:
+                        data = b""
+                    # vLLM answers 500 to a failed KV load, which may be the prefill's fault:
+                    # counted, but not held against this decode's breaker.
+                    neutral = resp.status == 500 and pre.kv is not None
+                    inst.finish(Side.DECODE, tokens, None if neutral else False)
+                    inst.errors[Side.DECODE] += neutral
+                    m.leg_error(inst.url, Side.DECODE, "status")
+                    failure = (f"decode {inst.url} returned {resp.status}: "
+                               f"{data[:300].decode('utf-8', 'replace')}")
+                else:
+                    relayed = await self._relay(request, body, resp, inst, rid, pre, t0)
+                    if not isinstance(relayed, str):
+                        return relayed
+                    failure = relayed  # an error event before any token: nothing sent yet
+                answered.append(inst)
+                reprefill = True
+            failures.append(failure)
+            tried.append(inst)
+            log.warning("request %s: decode attempt %d/%d failed: %s", rid, attempt + 1,
+                        cfg.retry.decode_attempts, failure)
+            if reprefill and pre.kv is not None and attempt + 1 < cfg.retry.decode_attempts:
+                again = await self._prefill(body, path, headers, rid)
+                if isinstance(again, web.Response):
+                    return again, "error"
+                pre = again
         if not failures:
             return error_response(503, "no healthy decode instance", "service_unavailable"), "error"
         status = 504 if all("timed out" in f or "within" in f for f in failures) else 502
@@ -292,8 +309,13 @@ class Handoff:
 
     async def _relay(self, request: web.Request, body: bodies.ClientBody, resp: Response,
                      inst: Instance, rid: str, pre: Prefilled,
-                     t0: float) -> tuple[web.StreamResponse, str]:
-        """Pass decode's answer to the client byte for byte, timing it on the way."""
+                     t0: float) -> tuple[web.StreamResponse, str] | str:
+        """Pass decode's answer to the client byte for byte, timing it on the way.
+
+        A stream whose first event is an error (vLLM's answer to a failed KV load) or that
+        breaks before its first byte is not relayed: the failure (a message) goes back to
+        ``_decode``, which may retry, since the client has seen nothing yet.
+        """
         t, m = self.cfg.timeouts, self.metrics
         loop = self._loop
         assert loop is not None
@@ -320,6 +342,26 @@ class Handoff:
             return (web.Response(body=data, status=resp.status, headers=out_headers),
                     "ok" if resp.status < 400 else "error")
 
+        chunks = resp.iter_chunks(t.decode_idle_s, t.decode_total_s)
+        try:
+            head = await anext(chunks, None)
+        except UpstreamError as exc:
+            inst.finish(Side.DECODE, tokens, False)
+            m.leg_error(inst.url, Side.DECODE, _kind(exc))
+            return f"decode {inst.url} failed before the first event: {exc}"
+        except asyncio.CancelledError:
+            inst.finish(Side.DECODE, tokens, None)
+            raise
+        if head is not None and head.startswith(_ERROR_EVENT):
+            await chunks.aclose()
+            resp.close()
+            # After a handoff the KV source may be at fault (a dead prefill): count the
+            # error, but do not open this decode's breaker for it.
+            inst.finish(Side.DECODE, tokens, False if pre.kv is None else None)
+            inst.errors[Side.DECODE] += pre.kv is not None
+            m.leg_error(inst.url, Side.DECODE, "error_event")
+            return (f"decode {inst.url} answered with an error event: "
+                    f"{head[6:300].decode('utf-8', 'replace').strip()}")
         out = web.StreamResponse(status=resp.status, headers=out_headers)
         out.headers["Cache-Control"] = "no-cache"
         first = last = 0.0
@@ -328,7 +370,8 @@ class Handoff:
         try:
             await out.prepare(request)
             try:
-                async for chunk in resp.iter_chunks(t.decode_idle_s, t.decode_total_s):
+                chunk = head
+                while chunk is not None:
                     now = loop.time()
                     if not first:
                         first = now
@@ -337,6 +380,7 @@ class Handoff:
                         events += n
                         last = now
                     await out.write(chunk)
+                    chunk = await anext(chunks, None)
                 ok = True
                 outcome = "ok"
             except UpstreamError as exc:

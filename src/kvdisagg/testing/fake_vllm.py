@@ -35,6 +35,7 @@ class FakeVllm:
         self.token_delay_s = 0.0  # streaming: pause before each token event (bench tests)
         self.use_max_tokens = False  # stream the request's max_tokens events, not ``tokens``
         self.health_status = 200
+        self.kv_load_failures = 0  # the next N decode legs with KV fail as vLLM does (policy fail)
         self.seen: list[dict[str, Any]] = []
         self.aborted = 0  # requests whose client (the proxy) went away before the end
         self._ids = itertools.count()
@@ -66,6 +67,9 @@ class FakeVllm:
                 if self.with_kv:
                     out["kv_transfer_params"] = self.kv_params()
                 return web.Response(body=_enc(out), content_type="application/json")
+            if kv.get("do_remote_prefill") and self.kv_load_failures > 0:
+                self.kv_load_failures -= 1
+                return await self._kv_load_failure(request, bool(body.get("stream")))
             if body.get("stream"):
                 n = body.get("max_tokens") if self.use_max_tokens else None
                 return await self._stream(request, chat, n if isinstance(n, int) else None)
@@ -97,6 +101,19 @@ class FakeVllm:
                      else {"choices": [{"index": 0, "text": f"t{i} "}]})
             await resp.write(b"data: " + _enc(delta) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _kv_load_failure(self, request: web.Request,
+                               stream: bool) -> web.StreamResponse:
+        """What vLLM 0.32 answers when a KV load fails under ``kv_load_failure_policy`` fail."""
+        err = _enc({"error": {"message": "Internal server error", "type": "InternalServerError",
+                              "param": None, "code": 500}})
+        if not stream:
+            return web.Response(body=err, status=500, content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: " + err + b"\n\ndata: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
