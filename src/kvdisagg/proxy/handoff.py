@@ -22,8 +22,10 @@ Failure rules (each retry bounded by ``retry.*`` and logged):
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import re
+import time
 import uuid
 from typing import NamedTuple
 
@@ -41,6 +43,7 @@ log = logging.getLogger("kvdisagg.proxy")
 
 _RID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _RETRYABLE = frozenset((408, 429))
+_now = time.perf_counter  # uvloop's loop.time() has 1 ms resolution: too coarse for TPOT
 _ERROR_EVENT = b'data: {"error"'  # vLLM's streamed error, e.g. after a failed KV load
 
 
@@ -78,7 +81,9 @@ class Handoff:
         self.idle = asyncio.Event()
         self.idle.set()
         self.shutting_down = False
-        self._loop: asyncio.AbstractEventLoop | None = None
+        # Unique request ids without uuid4 per request: a random per-process prefix + a counter.
+        self._rid_prefix = f"kvd-{uuid.uuid4().hex[:12]}-"
+        self._rid_seq = itertools.count(1)
 
     # request headers for both legs
     def _headers(self, request: web.Request, rid: str) -> bytes:
@@ -96,9 +101,7 @@ class Handoff:
             m.request_done(endpoint, "shed")
             return error_response(503, "proxy is shutting down", "service_unavailable",
                                   {"Connection": "close", "Retry-After": "1"})
-        loop = self._loop or asyncio.get_running_loop()
-        self._loop = loop
-        t0 = loop.time()
+        t0 = _now()
         m.in_flight += 1
         self.idle.clear()
         outcome = "error"
@@ -129,7 +132,7 @@ class Handoff:
             return error_response(400, str(exc)), "error"
         rid = request.headers.get("X-Request-Id", "")
         if not _RID.fullmatch(rid):
-            rid = uuid.uuid4().hex
+            rid = f"{self._rid_prefix}{next(self._rid_seq):x}"
         headers = self._headers(request, rid)
         path = request.path
 
@@ -192,16 +195,14 @@ class Handoff:
                            tokens: int) -> bytes | LegFailure:
         """kv_transfer_params (raw JSON) from one prefill instance, or why not."""
         t = self.cfg.timeouts
-        loop = self._loop
-        assert loop is not None
-        start = loop.time()
+        start = _now()
         inst.start(Side.PREFILL, tokens)
         ok: bool | None = False
         try:
             resp = await inst.pool.request(b"POST", path, pbody, headers,
                                            connect_s=min(t.decode_connect_s, t.prefill_s),
                                            headers_s=t.prefill_s)
-            data = await resp.read(max(0.001, t.prefill_s - (loop.time() - start)))
+            data = await resp.read(max(0.001, t.prefill_s - (_now() - start)))
             status = resp.status
             if 200 <= status < 300:
                 kv = bodies.kv_params_of(data)
@@ -211,7 +212,7 @@ class Handoff:
                                       f"prefill {inst.url} returned no kv_transfer_params (is it "
                                       "running with a kv_producer KV connector?)", 502)
                 ok = True
-                elapsed = loop.time() - start
+                elapsed = _now() - start
                 inst.observe_prefill(elapsed, tokens)
                 self.metrics.handoff.observe(elapsed)
                 return kv
@@ -317,8 +318,6 @@ class Handoff:
         ``_decode``, which may retry, since the client has seen nothing yet.
         """
         t, m = self.cfg.timeouts, self.metrics
-        loop = self._loop
-        assert loop is not None
         tokens = body.route.max_tokens
         ctype = (resp.header(b"content-type") or b"application/json").decode("latin-1")
         out_headers = {"Content-Type": ctype, "X-Request-Id": rid, "X-Kvdisagg-Handoff": pre.mode}
@@ -336,7 +335,7 @@ class Handoff:
                 raise
             inst.finish(Side.DECODE, tokens, True)
             if 200 <= resp.status < 300:
-                e2e = loop.time() - t0
+                e2e = _now() - t0
                 m.e2e.observe(e2e)
                 m.judge(inst.url, e2e, None, None, bodies.completion_tokens(data))
             return (web.Response(body=data, status=resp.status, headers=out_headers),
@@ -362,7 +361,7 @@ class Handoff:
             m.leg_error(inst.url, Side.DECODE, "error_event")
             return (f"decode {inst.url} answered with an error event: "
                     f"{head[6:300].decode('utf-8', 'replace').strip()}")
-        out = web.StreamResponse(status=resp.status, headers=out_headers)
+        out = _Stream(status=resp.status, headers=out_headers)
         out.headers["Cache-Control"] = "no-cache"
         first = last = 0.0
         events = 0
@@ -372,7 +371,7 @@ class Handoff:
             try:
                 chunk = head
                 while chunk is not None:
-                    now = loop.time()
+                    now = _now()
                     if not first:
                         first = now
                     n = chunk.count(b"data:")
@@ -397,17 +396,25 @@ class Handoff:
         finally:
             inst.finish(Side.DECODE, tokens, ok)
         if ok:
-            e2e = loop.time() - t0
+            e2e = _now() - t0
             m.e2e.observe(e2e)
-            ttft = (first or loop.time()) - t0
+            ttft = (first or _now()) - t0
             m.ttft.observe(ttft)
             n_tokens = events - 1  # the final [DONE]
-            tpot = (last - first) / (n_tokens - 1) if n_tokens >= 2 and last > first else None
+            # Events that arrived together (one read) count as delivered at once: TPOT 0.
+            tpot = (last - first) / (n_tokens - 1) if n_tokens >= 2 else None
             if tpot is not None:
                 m.tpot.observe(tpot)
                 inst.observe_tpot(tpot)
             m.judge(inst.url, e2e, ttft, tpot, None)
         return out, outcome
+
+
+class _Stream(web.StreamResponse):
+    """Headers go out with the first chunk (one write, not two); aiohttp's ``web.Response``
+    does the same for whole bodies. The relay only prepares once it holds that chunk."""
+
+    _send_headers_immediately = False
 
 
 def _relay_error(status: int, data: bytes, message: str) -> web.Response:

@@ -188,14 +188,22 @@ class Response:
         return data
 
     async def iter_chunks(self, idle_s: float, total_s: float) -> AsyncIterator[bytes]:
-        """Body chunks as they arrive; silence over ``idle_s`` or a total over ``total_s`` fails."""
+        """Body chunks as they arrive; silence over ``idle_s`` or a total over ``total_s`` fails.
+
+        Chunks that arrived together are yielded joined, so a relay writes them to its client
+        in one call (one syscall instead of one per SSE event when the upstream runs ahead).
+        """
         c = self._conn
         loop = c.pool.loop
         deadline = loop.time() + total_s
         try:
             while True:
                 while c.chunks:
-                    chunk = c.chunks.popleft()
+                    if len(c.chunks) == 1:
+                        chunk = c.chunks.popleft()
+                    else:
+                        chunk = b"".join(c.chunks)
+                        c.chunks.clear()
                     c.buffered -= len(chunk)
                     if c.paused and c.buffered < _PAUSE_AT // 2 and c.transport is not None:
                         c.paused = False

@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
 
     fake = FakeVllm(args.name, args.tokens, record=False)
     uvloop.install()
-    web.run_app(fake.app(), host=args.host, port=args.port, access_log=None, print=None)
+    web.run_app(fake.app(), host=args.host, port=args.port, access_log=None, print=None,
+                backlog=2048)
 
 
 if __name__ == "__main__":
