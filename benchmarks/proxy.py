@@ -177,6 +177,18 @@ def profile(pid: int, py_spy: str, seconds: float, out: Path) -> str:
     return text
 
 
+def median_cell(runs: list[Cell]) -> Cell:
+    """Per-field median over rounds of one (target, workload, concurrency) cell."""
+    med = statistics.median
+    cpu = [r.cpu_us_per_req for r in runs if r.cpu_us_per_req is not None]
+    r0 = runs[0]
+    return r0._replace(requests=sum(r.requests for r in runs),
+                       errors=sum(r.errors for r in runs),
+                       seconds=sum(r.seconds for r in runs), rps=med(r.rps for r in runs),
+                       p50_ms=med(r.p50_ms for r in runs), p99_ms=med(r.p99_ms for r in runs),
+                       cpu_us_per_req=med(cpu) if cpu else None)
+
+
 def table(cells: list[Cell]) -> str:
     direct = {(c.workload, c.concurrency): c for c in cells if c.target == "direct"}
     rows = ["| workload | conc | target | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms "
@@ -203,6 +215,11 @@ def main() -> int:
     p.add_argument("--targets", nargs="+", default=["direct", "kvdisagg", "vllm-router"],
                    choices=["direct", "kvdisagg", "vllm-router"])
     p.add_argument("--tokens", type=int, default=16, help="SSE events per streamed answer")
+    p.add_argument("--token-delay-ms", type=float, default=0.0,
+                   help="decode backend pause between events; >0 keeps events apart (as a "
+                   "real engine does), 0 lets them arrive together")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="repeat each cell, targets interleaved; the table shows medians")
     p.add_argument("--out", default="out/proxy-bench")
     p.add_argument("--py-spy", metavar="EXE",
                    help="instead of the table: profile the kvdisagg proxy under each workload")
@@ -220,7 +237,8 @@ def main() -> int:
         ports = {k: free_port() for k in ("prefill", "decode", "kvdisagg", "vllm-router", "prom")}
         for role in ("prefill", "decode"):
             procs.append(spawn([sys.executable, "-m", "kvdisagg.testing.fake_vllm", "--port",
-                                str(ports[role]), "--tokens", str(args.tokens), "--name", role],
+                                str(ports[role]), "--tokens", str(args.tokens), "--name", role,
+                                "--token-delay-ms", str(args.token_delay_ms)],
                                out / f"fake-{role}.log"))
         pre, dec = (f"http://127.0.0.1:{ports[r]}" for r in ("prefill", "decode"))
         for u in (pre, dec):
@@ -260,13 +278,20 @@ def main() -> int:
                     print(f"== {workload}, concurrency {conc}\n{fut.result()}", flush=True)
             return 0
         cells: list[Cell] = []
+        raw: list[Cell] = []
         for workload in args.workloads:
             for conc in args.concurrency:
-                for t in targets:
-                    c = measure(t, workload, conc, args.requests, args.warmup)
-                    print(c, flush=True)
-                    cells.append(c)
-        (out / "results.json").write_text(json.dumps([c._asdict() for c in cells], indent=1))
+                runs: dict[str, list[Cell]] = {t.name: [] for t in targets}
+                for _ in range(args.rounds):
+                    for t in targets:
+                        c = measure(t, workload, conc, args.requests, args.warmup)
+                        print(c, flush=True)
+                        runs[t.name].append(c)
+                        raw.append(c)
+                cells += [median_cell(rs) for rs in runs.values()]
+        (out / "results.json").write_text(json.dumps(
+            {"args": vars(args), "medians": [c._asdict() for c in cells],
+             "runs": [c._asdict() for c in raw]}, indent=1))
         text = table(cells)
         (out / "table.md").write_text(text + "\n")
         print(text)

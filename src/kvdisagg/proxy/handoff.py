@@ -43,6 +43,7 @@ log = logging.getLogger("kvdisagg.proxy")
 
 _RID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _RETRYABLE = frozenset((408, 429))
+_CLIENT_HIGH_WATER = 1 << 20  # client write buffer that pauses reading the decode stream
 _now = time.perf_counter  # uvloop's loop.time() has 1 ms resolution: too coarse for TPOT
 _ERROR_EVENT = b'data: {"error"'  # vLLM's streamed error, e.g. after a failed KV load
 
@@ -341,9 +342,9 @@ class Handoff:
             return (web.Response(body=data, status=resp.status, headers=out_headers),
                     "ok" if resp.status < 400 else "error")
 
-        chunks = resp.iter_chunks(t.decode_idle_s, t.decode_total_s)
+        total_deadline = _now() + t.decode_total_s
         try:
-            head = await anext(chunks, None)
+            head = await resp.next_chunk(t.decode_idle_s)
         except UpstreamError as exc:
             inst.finish(Side.DECODE, tokens, False)
             m.leg_error(inst.url, Side.DECODE, _kind(exc))
@@ -352,7 +353,6 @@ class Handoff:
             inst.finish(Side.DECODE, tokens, None)
             raise
         if head is not None and head.startswith(_ERROR_EVENT):
-            await chunks.aclose()
             resp.close()
             # After a handoff the KV source may be at fault (a dead prefill): count the
             # error, but do not open this decode's breaker for it.
@@ -363,23 +363,39 @@ class Handoff:
                     f"{head[6:300].decode('utf-8', 'replace').strip()}")
         out = _Stream(status=resp.status, headers=out_headers)
         out.headers["Cache-Control"] = "no-cache"
-        first = last = 0.0
-        events = 0
+        chunked = request.version >= (1, 1)
+        if chunked:
+            out.enable_chunked_encoding()
+        first = _now()
+        stats = [0, first]  # SSE events seen, time of the last one
         outcome = "error"
         try:
             await out.prepare(request)
             try:
-                chunk = head
-                while chunk is not None:
-                    now = _now()
-                    if not first:
-                        first = now
-                    n = chunk.count(b"data:")
-                    if n:
-                        events += n
-                        last = now
-                    await out.write(chunk)
-                    chunk = await anext(chunks, None)
+                if head is not None:
+                    stats[0] = head.count(b"data:")
+                    await out.write(head)  # with the headers, through aiohttp's writer
+                    transport = request.transport
+                    writer = out._payload_writer  # its drain() waits for a slow client
+                    if transport is None or writer is None:
+                        raise ConnectionResetError("client went away")
+
+                    def sink(data: bytes) -> bool:
+                        """Runs in the upstream's data_received: write through, no task switch."""
+                        n = data.count(b"data:")
+                        if n:
+                            stats[0] += n
+                            stats[1] = _now()
+                        if transport.is_closing():
+                            return True  # the relay's drain() then raises
+                        if chunked:  # the framing aiohttp's writer would add, in one write
+                            transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+                        else:
+                            transport.write(data)
+                        return transport.get_write_buffer_size() > _CLIENT_HIGH_WATER
+
+                    await resp.relay(sink, writer.drain, t.decode_idle_s,
+                                     max(0.001, total_deadline - _now()))
                 ok = True
                 outcome = "ok"
             except UpstreamError as exc:
@@ -395,6 +411,7 @@ class Handoff:
             raise
         finally:
             inst.finish(Side.DECODE, tokens, ok)
+        events, last = stats
         if ok:
             e2e = _now() - t0
             m.e2e.observe(e2e)

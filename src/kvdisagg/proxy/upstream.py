@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 from urllib.parse import urlsplit
 
 import httptools
@@ -45,7 +45,8 @@ class _Conn(asyncio.Protocol):
     """One connection; at most one request on it at a time."""
 
     __slots__ = ("pool", "transport", "parser", "closed", "status", "headers", "chunks",
-                 "buffered", "done", "waiter", "error", "paused", "got_bytes", "keep_alive")
+                 "buffered", "done", "waiter", "error", "paused", "got_bytes", "keep_alive",
+                 "sink", "last_data", "blocked")
 
     def __init__(self, pool: "Pool") -> None:
         self.pool = pool
@@ -65,6 +66,9 @@ class _Conn(asyncio.Protocol):
         self.paused = False
         self.got_bytes = False
         self.keep_alive = False
+        self.sink: Callable[[bytes], bool] | None = None  # relay mode: body goes straight here
+        self.last_data = 0.0
+        self.blocked = False  # the sink asked to stop reading until its client drains
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -78,7 +82,11 @@ class _Conn(asyncio.Protocol):
             self._fail(UpstreamError("upstream tried to upgrade the connection"))
         except httptools.HttpParserError as exc:
             self._fail(UpstreamError(f"malformed HTTP response: {exc}"))
-        if self.buffered > _PAUSE_AT and not self.paused and self.transport is not None:
+        sink = self.sink
+        if sink is not None:
+            if self.chunks:
+                self._flush(sink)
+        elif self.buffered > _PAUSE_AT and not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
 
@@ -99,8 +107,20 @@ class _Conn(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         self.chunks.append(body)
-        self.buffered += len(body)
-        self._wake()
+        if self.sink is None:
+            self.buffered += len(body)
+            self._wake()
+
+    def _flush(self, sink: Callable[[bytes], bool]) -> None:
+        """Relay mode: what one read brought goes to the sink in one piece, no task switch."""
+        chunks = self.chunks
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self.last_data = self.pool.loop.time()
+        if sink(data) and not self.blocked and self.transport is not None:
+            self.blocked = True
+            self.transport.pause_reading()
+            self._wake()
 
     def on_message_complete(self) -> None:
         self.done = True
@@ -225,6 +245,88 @@ class Response:
         except BaseException:
             self.close()
             raise
+        self._release()
+
+    async def next_chunk(self, timeout: float) -> bytes | None:
+        """The body bytes buffered now (joined) or the next to arrive; None at the body's end."""
+        c = self._conn
+        try:
+            while not c.chunks:
+                if c.done:
+                    if c.error is not None:
+                        raise c.error
+                    self._release()
+                    return None
+                try:
+                    await c.wait(timeout, "chunk")
+                except TimeoutError:
+                    raise UpstreamTimeout(f"no data for {timeout:.1f}s") from None
+        except BaseException:
+            self.close()
+            raise
+        chunk = c.chunks.popleft() if len(c.chunks) == 1 else b"".join(c.chunks)
+        c.chunks.clear()
+        c.buffered = 0
+        if c.paused and c.transport is not None:
+            c.paused = False
+            c.transport.resume_reading()
+        return chunk
+
+    async def relay(self, sink: Callable[[bytes], bool], drain: Callable[[], Awaitable[None]],
+                    idle_s: float, total_s: float) -> None:
+        """Hand the rest of the body to ``sink`` from the protocol callback as it arrives.
+
+        Why: awaiting each chunk costs a future, a timer and a task switch per SSE event, the
+        largest Python cost of relaying a stream (docs/benchmarks.md). ``sink`` must not raise;
+        it returns True when its client is backed up, which pauses reading the upstream until
+        ``await drain()`` returns. Silence over ``idle_s`` (checked by one timer per interval,
+        not per chunk) or a total over ``total_s`` fails; so does an upstream error.
+        """
+        c = self._conn
+        loop = c.pool.loop
+        deadline = loop.time() + total_s
+        try:
+            c.sink = sink
+            c.buffered = 0
+            if c.chunks:
+                c._flush(sink)
+            if c.paused and c.transport is not None:
+                c.paused = False
+                if not c.blocked:
+                    c.transport.resume_reading()
+            c.last_data = loop.time()
+            while True:
+                if c.blocked:
+                    left = deadline - loop.time()
+                    try:
+                        async with asyncio.timeout(max(0.0, left)):
+                            await drain()
+                    except TimeoutError:
+                        raise UpstreamTimeout(f"stream not finished after {total_s:.1f}s") from None
+                    c.blocked = False
+                    if c.transport is not None and not c.closed:
+                        c.transport.resume_reading()
+                    c.last_data = loop.time()
+                if c.done:
+                    if c.error is not None:
+                        raise c.error
+                    break
+                now = loop.time()
+                left = deadline - now
+                if left <= 0:
+                    raise UpstreamTimeout(f"stream not finished after {total_s:.1f}s")
+                try:
+                    await c.wait(max(0.001, min(idle_s - (now - c.last_data), left)), "chunk")
+                except TimeoutError:
+                    if c.done or c.blocked:
+                        continue
+                    if loop.time() - c.last_data >= idle_s:
+                        raise UpstreamTimeout(f"no data for {idle_s:.1f}s mid-stream") from None
+        except BaseException:
+            c.sink = None
+            self.close()
+            raise
+        c.sink = None
         self._release()
 
     def _release(self) -> None:

@@ -143,10 +143,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--name", default="fake")
+    p.add_argument("--token-delay-ms", type=float, default=0.0,
+                   help="pause before each streamed event (paced like a real engine)")
     args = p.parse_args(argv)
     import uvloop
 
     fake = FakeVllm(args.name, args.tokens, record=False)
+    fake.token_delay_s = args.token_delay_ms / 1000
     uvloop.install()
     web.run_app(fake.app(), host=args.host, port=args.port, access_log=None, print=None,
                 backlog=2048)
