@@ -510,3 +510,34 @@ def test_kv_both_serves_either_side() -> None:
             await client.close()
             await srv.close()
     run(t())
+
+
+def test_stream_relay_backpressure_and_http10(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The callback relay: a client that reports itself backed up on every write (pause the
+    decode stream, drain, resume) still gets every event, in order; an HTTP/1.0 client gets the
+    stream unframed (no chunked encoding) until the connection closes."""
+    from kvdisagg.proxy import handoff
+
+    expected = b"".join(b'data: {"choices":[{"index":0,"text":"t%d "}]}\n\n' % i
+                        for i in range(300)) + b"data: [DONE]\n\n"
+
+    async def t() -> None:
+        async with proxy() as env:
+            env.decode[0].tokens = 300
+            monkeypatch.setattr(handoff, "_CLIENT_HIGH_WATER", -1)
+            r = await env.client.post("/v1/completions", json={**GEN, "stream": True})
+            assert r.status == 200 and await r.read() == expected
+            monkeypatch.undo()
+            host, port = env.client.server.host, env.client.server.port
+            reader, writer = await asyncio.open_connection(host, port)
+            body = msgspec.json.encode({**GEN, "stream": True})
+            writer.write(b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+            raw = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            head, _, rest = raw.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.0 200") and b"chunked" not in head.lower()
+            assert rest == expected
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_requests_total", outcome="ok") == 2
+    run(t())
