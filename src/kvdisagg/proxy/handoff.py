@@ -376,8 +376,7 @@ class Handoff:
                     stats[0] = head.count(b"data:")
                     await out.write(head)  # with the headers, through aiohttp's writer
                     transport = request.transport
-                    writer = out._payload_writer  # its drain() waits for a slow client
-                    if transport is None or writer is None:
+                    if transport is None:
                         raise ConnectionResetError("client went away")
 
                     def sink(data: bytes) -> bool:
@@ -394,7 +393,8 @@ class Handoff:
                             transport.write(data)
                         return transport.get_write_buffer_size() > _CLIENT_HIGH_WATER
 
-                    await resp.relay(sink, writer.drain, t.decode_idle_s,
+                    # request.writer.drain() waits until the client's transport drains
+                    await resp.relay(sink, request.writer.drain, t.decode_idle_s,
                                      max(0.001, total_deadline - _now()))
                 ok = True
                 outcome = "ok"
