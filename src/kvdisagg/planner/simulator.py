@@ -40,6 +40,18 @@ from kvdisagg.planner.workload import Requests
 _UNBOUNDED = 1 << 62
 
 
+def _through_stages(stage_free: list[float], t: float, first: float, other: float) -> float:
+    """Run one batch through a pipeline starting at ``t``: stage 0 takes ``first``, each later
+    stage ``other``; each stage starts when the batch reaches it and the stage is free.
+    Updates ``stage_free`` in place and returns when the last stage finishes."""
+    end = max(t, stage_free[0]) + first
+    stage_free[0] = end
+    for k in range(1, len(stage_free)):
+        end = max(end, stage_free[k]) + other
+        stage_free[k] = end
+    return end
+
+
 class Timeline(NamedTuple):
     """Per-request times (s); ``first`` is the end of the first decode step (nan if none)."""
 
@@ -185,15 +197,10 @@ class _Prefill:
             return
         self.kv += tok
         first, other = self.model.prefill_stages_s(tok, sq)
-        sf = self.stage_free
-        end = max(t, sf[0]) + first
-        sf[0] = end
-        for k in range(1, len(sf)):
-            end = max(end, sf[k]) + other
-            sf[k] = end
+        end = _through_stages(self.stage_free, t, first, other)
         self.sim.push(end, self, _BATCH_DONE, batch)
-        if len(sf) > 1:
-            self.sim.push(sf[0], self, _STAGE0_FREE)
+        if len(self.stage_free) > 1:
+            self.sim.push(self.stage_free[0], self, _STAGE0_FREE)
 
     def release(self, t: float, tokens: int) -> None:
         self.kv -= tokens
@@ -304,12 +311,7 @@ class _Decode:
             g.joined.extend(self.newcomers)
             self.newcomers = []
         first, other = self.model.decode_stages_s(g.batch, g.sum_ctx1)
-        sf = self.stage_free
-        end = max(t, sf[0]) + first
-        sf[0] = end
-        for k in range(1, len(sf)):
-            end = max(end, sf[k]) + other
-            sf[k] = end
+        end = _through_stages(self.stage_free, t, first, other)
         self.inflight += 1
         self.sim.push(end, self, _BATCH_DONE, g)
 
