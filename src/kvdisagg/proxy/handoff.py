@@ -384,7 +384,8 @@ class Handoff:
                         n = data.count(b"data:")
                         if n:
                             stats[0] += n
-                            stats[1] = _now()
+                            if n > 1 or not data.startswith(b"data: [DONE]"):
+                                stats[1] = _now()  # a lone [DONE] carries no token
                         if transport.is_closing():
                             return True  # the relay's drain() then raises
                         if chunked:  # the framing aiohttp's writer would add, in one write
