@@ -28,9 +28,16 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     side_channel_port: Port = 0
     """Port of TP rank 0 (rank r listens on port + r); 0 picks free ports and advertises them."""
     lease_seconds: PositiveSeconds = 30.0
-    """Prefill frees a handoff's blocks this long after it finished if no decode acknowledged."""
+    """Prefill frees an unread handoff this long after it finished or after the last renewal
+    from the decode that holds it (decode renews every third of it while the request waits in
+    its queue, however long): the lease only runs out when that decode died or dropped it."""
     transfer_timeout_seconds: PositiveSeconds = 30.0
-    """Bound on connecting to prefill and on one pull; past it the load fails."""
+    """Bound on connecting to prefill and on one pull once started; past it the load fails."""
+    staging_blocks: Annotated[int, msgspec.Meta(ge=-1, le=1 << 24)] = -1
+    """Prefill: blocks of a host arena that a finished handoff's KV is copied into, so vLLM
+    frees its paged blocks at once and the engine idles while decode has not pulled yet.
+    -1 (auto): half the KV cache's blocks when the KV cache is in host memory (CPU), 0 on
+    GPUs; 0: never stage (handoffs hold their paged blocks until pulled)."""
     mooncake_protocol: Literal["auto", "tcp", "rdma"] = "auto"
     """Mooncake's protocol; ``auto`` is ``rdma`` when RDMA devices exist, else ``tcp``."""
     mooncake_device: str = ""

@@ -22,10 +22,26 @@ from typing import Any, Sequence
 
 @dataclass(frozen=True)
 class LayerRegion:
+    """One layer's KV pages, then (prefill only) its staging arena: block ids ``num_blocks``..
+    name arena rows, where a finished handoff's KV waits after vLLM freed its paged blocks."""
+
     name: str
     pages: Any  # torch.Tensor [num_blocks, page_bytes] uint8 view of the layer's KV
     page_bytes: int
     num_blocks: int
+    stage: Any = None  # torch.Tensor [stage_blocks, page_bytes] uint8, or None
+
+    @property
+    def stage_blocks(self) -> int:
+        return 0 if self.stage is None else self.stage.shape[0]
+
+    def rows(self, first: int, count: int) -> Any:
+        """Blocks ``first..first+count`` of this layer, wholly in the pages or in the arena."""
+        if first + count <= self.num_blocks:
+            return self.pages[first:first + count]
+        if first >= self.num_blocks:
+            return self.stage[first - self.num_blocks:first - self.num_blocks + count]
+        raise ValueError(f"blocks {first}..{first + count - 1} straddle pages and arena")
 
 
 def layer_regions(kv_caches: dict[str, Any]) -> list[LayerRegion]:
@@ -39,6 +55,18 @@ def layer_regions(kv_caches: dict[str, Any]) -> list[LayerRegion]:
         pages = tensor.view(-1).view(dtype=_uint8()).view(num_blocks, -1)
         regions.append(LayerRegion(name, pages, pages.shape[1], num_blocks))
     return regions
+
+
+def with_arena(regions: Sequence[LayerRegion], blocks: int) -> list[LayerRegion]:
+    """The regions, each with a staging arena of ``blocks`` blocks in host memory (pinned when
+    the KV is on a GPU, so staging is one device-to-host copy)."""
+    import dataclasses
+
+    import torch
+
+    pin = bool(regions) and regions[0].pages.device.type == "cuda"
+    return [dataclasses.replace(r, stage=torch.empty((blocks, r.page_bytes), dtype=torch.uint8,
+                                                     pin_memory=pin)) for r in regions]
 
 
 def _uint8() -> Any:
@@ -88,8 +116,21 @@ def copy_runs(num_layers: int, src_ids: Sequence[int], dst_ids: Sequence[int]) -
 
 def run_tensor(regions: Sequence[LayerRegion], run: CopyRun, side: str) -> Any:
     """The (contiguous) memory of ``run`` on this side: ``side`` is "src" or "dst"."""
-    first = run.src if side == "src" else run.dst
-    return regions[run.layer].pages[first:first + run.count]
+    return regions[run.layer].rows(run.src if side == "src" else run.dst, run.count)
+
+
+def stage_into(regions: Sequence[LayerRegion], block_ids: Sequence[int],
+               slots: Sequence[int]) -> None:
+    """Copy the pages ``block_ids`` of every layer into arena blocks ``slots`` (ids from
+    ``num_blocks`` on): prefill's paged blocks are then free to reuse."""
+    import torch
+
+    base = regions[0].num_blocks
+    src = torch.tensor(block_ids, dtype=torch.long)
+    dst = torch.tensor([s - base for s in slots], dtype=torch.long)
+    for r in regions:
+        r.stage.index_copy_(0, dst.to(r.stage.device), r.pages.index_select(
+            0, src.to(r.pages.device)).to(r.stage.device))
 
 
 def run_bytes(regions: Sequence[LayerRegion], runs_: Sequence[CopyRun]) -> int:
@@ -100,6 +141,6 @@ def check_blocks(regions: Sequence[LayerRegion], block_ids: Sequence[int]) -> st
     """'' if every id names a block of every layer, else why not (ids come off the wire)."""
     if not regions:
         return "no KV memory registered"
-    limit = min(r.num_blocks for r in regions)
+    limit = min(r.num_blocks + r.stage_blocks for r in regions)
     bad = [b for b in block_ids if not 0 <= b < limit]
     return f"block ids {bad[:8]} out of range (0..{limit - 1})" if bad else ""

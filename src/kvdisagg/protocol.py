@@ -8,19 +8,23 @@ PROTOCOL_VERSION history:
   2: persistent connections (Hello once); Hello/Reply carry the transport's name and info;
      Read names decode's blocks too (transports pair the ranges); Done is one-way and ends
      every pull (prefill unpins, then frees the handoff).
+  3: decode-paced leases: kv_transfer_params carry ``lease_s``; decode's scheduler keeps every
+     handoff it holds alive with one-way Renew frames on a control connection (Hello with
+     ``control``), so a lease runs out only when its decode stops renewing.
 """
 
 from __future__ import annotations
 
 import socket
 import struct
-from typing import Annotated, Any
+import time
+from typing import Annotated, Any, Callable
 
 import msgspec
 
 from kvdisagg.errors import TransferFailed
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 NAMESPACE = "kvdisagg"
 MAX_FRAME_BYTES = 1 << 20  # control frames only; KV bytes travel outside frames
 
@@ -36,6 +40,8 @@ class HandoffExtras(msgspec.Struct, frozen=True, kw_only=True):
     kv_layout: str
     token: str
     lease_expires: float
+    lease_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 30.0
+    """Lease length: decode renews each held handoff well within it."""
     ports: list[Port]
     """Side-channel port per prefill TP rank."""
 
@@ -56,7 +62,7 @@ class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True):
 
 def handoff_params(
     *, engine_id: str, request_id: str, block_ids: list[int], host: str, ports: list[int],
-    num_tokens: int, transport: str, kv_layout: str, token: str, lease_expires: float,
+    num_tokens: int, transport: str, kv_layout: str, token: str, lease_s: float,
 ) -> dict[str, object]:
     """The dict prefill returns from request_finished (becomes the response's kv_transfer_params)."""
     params = RemotePrefill(
@@ -64,7 +70,8 @@ def handoff_params(
         remote_block_ids=list(block_ids), remote_host=host, remote_port=ports[0],
         remote_num_tokens=num_tokens, tp_size=len(ports),
         kvdisagg=HandoffExtras(transport=transport, kv_layout=kv_layout, token=token,
-                               lease_expires=lease_expires, ports=list(ports)),
+                               lease_expires=time.time() + lease_s, lease_s=lease_s,
+                               ports=list(ports)),
     )
     out = msgspec.to_builtins(params)
     out["do_remote_decode"] = False
@@ -82,6 +89,9 @@ class Hello(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     kv_layout: str
     transport: str = ""
     info: dict[str, Any] = {}
+    control: bool = False
+    """A control connection (lease renewals, releases) from decode's scheduler: no Reads, so
+    the transport sets up no peer state for it."""
 
 
 class Read(msgspec.Struct, tag=True, frozen=True, kw_only=True):
@@ -105,6 +115,18 @@ class Done(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     ok: bool = True
 
 
+class HandoffRef(msgspec.Struct, array_like=True, frozen=True):
+    handoff_id: str
+    token: str
+
+
+class Renew(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """Decode -> prefill, one-way: these handoffs are still held (queued on decode); restart
+    their leases. Unknown ids and wrong tokens are ignored."""
+
+    handoffs: list[HandoffRef]
+
+
 class Reply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """Prefill -> decode. For an accepted Read, ``nbytes`` of KV follow through the transport."""
 
@@ -115,7 +137,7 @@ class Reply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     info: dict[str, Any] = {}
 
 
-Message = Hello | Read | Done | Reply
+Message = Hello | Read | Done | Renew | Reply
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 _header = struct.Struct("!I")
@@ -160,19 +182,26 @@ IOV_MAX = 1024  # buffers per sendmsg/recvmsg_into call (Linux UIO_MAXIOV)
 IOV_BYTES = 4 << 20  # ... and about this many bytes: more than a call moves on loopback
 
 
-def send_views(sock: socket.socket, views: list[memoryview]) -> None:
+TimeLeft = Callable[[], float]  # seconds left of an operation's bound; raises when none
+
+
+def send_views(sock: socket.socket, views: list[memoryview], left: TimeLeft) -> None:
     """Gather-write every byte of ``views`` in order: many buffers per system call, so
-    scattered KV blocks cost one call per few MiB, not one per block."""
+    scattered KV blocks cost one call per few MiB, not one per block. Each call gets what is
+    left of the bound, so a peer that trickles bytes cannot stretch it."""
     views, i = list(views), 0
     while i < len(views):
+        sock.settimeout(left())
         sent = sock.sendmsg(_batch(views, i))
         i = _advance(views, i, sent)
 
 
-def recv_into_views(sock: socket.socket, views: list[memoryview]) -> None:
-    """Scatter-read exactly ``sum(len(v))`` bytes into ``views`` in order."""
+def recv_into_views(sock: socket.socket, views: list[memoryview], left: TimeLeft) -> None:
+    """Scatter-read exactly ``sum(len(v))`` bytes into ``views`` in order (bounded as
+    send_views)."""
     views, i = list(views), 0
     while i < len(views):
+        sock.settimeout(left())
         got = sock.recvmsg_into(_batch(views, i))[0]
         if got == 0:
             raise TransferFailed("peer closed the connection mid-message")

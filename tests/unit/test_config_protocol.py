@@ -28,7 +28,7 @@ def test_bad_key_is_named(extra, key):
 def test_handoff_params_round_trip():
     params = handoff_params(engine_id="e", request_id="r", block_ids=[3, 4], host="127.0.0.1",
                             ports=[5600, 5601], num_tokens=200, transport="tcp", kv_layout="ab",
-                            token="t", lease_expires=1.5)
+                            token="t", lease_s=1.5)
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     assert params["remote_port"] == 5600 and params["tp_size"] == 2
     # Fields a proxy or vLLM adds are ignored; ours stay under one namespace.
@@ -46,7 +46,7 @@ def test_handoff_params_round_trip():
 def test_bad_handoff_params_refused(mutate):
     params = handoff_params(engine_id="e", request_id="r", block_ids=[1], host="h", ports=[1],
                             num_tokens=1, transport="tcp", kv_layout="x", token="t",
-                            lease_expires=0)
+                            lease_s=1)
     mutate(params)
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert(params, RemotePrefill)

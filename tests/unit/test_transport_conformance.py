@@ -210,3 +210,52 @@ def test_close_and_recreate(pair):
         assert_moved(fresh, [5, 6], [3, 4])
     finally:
         again.close()
+
+
+def test_staged_handoff_is_read_from_the_arena(pair):
+    """Prefill copied the KV into its arena and gave the paged blocks back to vLLM, which
+    overwrote them: decode still gets the KV as it was."""
+    name, extra, _, decode, dst = pair
+    if name not in PULL:
+        pytest.skip("store transports copy KV out to the store instead")
+    peer = PeerProcess(name, extra, seed=SEED, stage_blocks=8)
+    try:
+        remote, arena, local, prompt = [2, 3, 9], [32, 33, 34], [5, 6, 7], prompt_for(3)
+        token = peer.offer("staged", arena, prompt, stage_from=remote)
+        peer.ask(op="scribble", block_ids=remote)
+        decode.fetch(fetch_of(peer, "staged", token, arena, local, prompt), TIMEOUT_S)
+        assert_moved(dst, remote, local)
+        assert "staged" in peer.released({"staged"})
+        with pytest.raises(TransportError, match="out of range"):  # past the arena
+            token = peer.offer("past", [39], prompt_for(1), stage_from=[1])
+            decode.fetch(fetch_of(peer, "past", token, [40], [0], prompt_for(1)), TIMEOUT_S)
+    finally:
+        peer.close()
+
+
+def test_renewed_lease_outlives_its_term_and_a_dropped_one_is_freed(pair):
+    """Decode's LeaseKeeper keeps a queued handoff alive past its lease, and a request that
+    went away releases its handoff at once."""
+    from kvdisagg.connector.leases import Held, LeaseKeeper
+
+    name, _, peer, decode, dst = pair
+    if name not in PULL:
+        pytest.skip("store transports have no leases")
+    keeper = LeaseKeeper(KV_LAYOUT, name, TIMEOUT_S)
+    try:
+        prompt = prompt_for(2)
+        kept = peer.offer("kept", [2, 3], prompt, lease_s=0.6)
+        dropped = peer.offer("dropped", [4, 5], prompt, lease_s=30)
+        unheld = peer.offer("unheld", [6], prompt, lease_s=0.6)
+        keeper.hold("d1", Held("kept", kept, "127.0.0.1", (peer.port,), 0.6))
+        keeper.hold("d2", Held("dropped", dropped, "127.0.0.1", (peer.port,), 30))
+        time.sleep(2.0)  # three leases' worth
+        keeper.drop("d2", release=True)
+        assert peer.released({"dropped", "unheld"}) >= {"dropped", "unheld"}
+        decode.fetch(fetch_of(peer, "kept", kept, [2, 3], [0, 1], prompt), TIMEOUT_S)
+        assert_moved(dst, [2, 3], [0, 1])
+        with pytest.raises(TransportError, match="expired|released"):
+            decode.fetch(fetch_of(peer, "unheld", unheld, [6], [2], prompt), TIMEOUT_S)
+        assert keeper.renewals >= 3
+    finally:
+        keeper.close()

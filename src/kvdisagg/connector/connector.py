@@ -10,12 +10,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvdisagg.config import ConnectorConfig, parse_config
-from kvdisagg.connector.metadata import DisaggMetadata
+from kvdisagg.connector.metadata import DisaggMetadata, DisaggWorkerMeta
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 
@@ -60,6 +61,21 @@ class DisaggConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def on_new_request(self, request: Request) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_new_request(request)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        meta = connector_output.kv_connector_worker_meta
+        self._scheduler.update_connector_output(
+            set(connector_output.finished_recving or ()),
+            set(connector_output.failed_recving or ()),
+            meta if isinstance(meta, DisaggWorkerMeta) else None)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_work()
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         assert self._scheduler is not None
@@ -89,12 +105,21 @@ class DisaggConnector(KVConnectorBase_V1):
     def get_handshake_metadata(self) -> Any:
         return self._worker.handshake() if self._worker else None
 
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """Called first in every step, before this step can overwrite freed blocks: stage the
+        handoffs whose paged blocks vLLM just freed."""
+        assert self._worker is not None and isinstance(kv_connector_metadata, DisaggMetadata)
+        self._worker.offer(kv_connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         # Async loads arrive with attn_metadata None: unlike ExampleConnector, never skip them.
         assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, DisaggMetadata)
         self._worker.start_load_kv(meta)
+
+    def build_connector_worker_meta(self) -> DisaggWorkerMeta | None:
+        return self._worker.take_worker_meta() if self._worker else None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are asynchronous and complete before the request is scheduled."""
@@ -135,3 +160,5 @@ class DisaggConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker:
             self._worker.shutdown()
+        if self._scheduler:
+            self._scheduler.shutdown()

@@ -5,18 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorHandshakeMetadata,
-                                                               KVConnectorMetadata)
+                                                               KVConnectorMetadata,
+                                                               KVConnectorWorkerMetadata)
 
 
 @dataclass(frozen=True)
 class SendSpec:
-    """Prefill: serve these blocks of request ``req_id`` to a holder of ``token``."""
+    """Prefill: serve these blocks of request ``req_id`` to a holder of ``token``. With
+    ``stage_from``, first copy those paged blocks into arena blocks ``block_ids`` (before
+    this step's forward: vLLM has freed the paged ones)."""
 
     req_id: str
     token: str
     block_ids: tuple[int, ...]
     lease_s: float
     prompt_token_ids: tuple[int, ...] = ()  # only for store transports (lmcache)
+    stage_from: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -53,3 +57,19 @@ class WorkerHandshake(KVConnectorHandshakeMetadata):
     kv_layout: str
     transport: str
     keyed_by_tokens: bool = False  # the transport needs prompt token ids (store transports)
+    num_blocks: int = 0  # paged blocks; arena blocks are numbered from here
+    stage_blocks: int = 0  # arena blocks (0: handoffs keep their paged blocks until pulled)
+
+
+@dataclass
+class DisaggWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler each step: staged handoffs freed (pulled, released or expired), with
+    how many workers freed each; the arena blocks are reusable once every TP rank has."""
+
+    released: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, DisaggWorkerMeta)
+        for req_id, n in other.released.items():
+            self.released[req_id] = self.released.get(req_id, 0) + n
+        return self

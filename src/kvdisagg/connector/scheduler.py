@@ -1,9 +1,13 @@
 """Scheduler side of DisaggConnector (runs in vLLM's EngineCore process).
 
-Prefill (producer): ``request_finished`` of a ``do_remote_decode`` request keeps its blocks under
-a lease and returns the handoff's kv_transfer_params. Decode (consumer): a ``do_remote_prefill``
-request claims its whole prompt as loadable asynchronously and the worker pulls it. With a store
-transport, prefill also claims the leading chunks of any prompt that the store already holds
+Prefill (producer): ``request_finished`` of a ``do_remote_decode`` request hands its KV over under
+a lease and returns the handoff's kv_transfer_params. Where the workers have a staging arena with
+room, the KV is copied there (first thing in the next step) and vLLM frees the paged blocks at
+once, so an engine holding only handoffs goes idle; otherwise the request keeps its paged blocks
+until decode has pulled them (vLLM then keeps stepping). Decode (consumer): a
+``do_remote_prefill`` request is held from its arrival (the LeaseKeeper renews its lease), claims
+its whole prompt as loadable asynchronously, and the worker pulls it. With a store transport,
+prefill also claims the leading chunks of any prompt that the store already holds
 (``prefix_lookup``), and the worker loads them instead of computing them.
 
 Must not import torch or kvdisagg.transport: all byte movement is the worker's.
@@ -14,13 +18,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import secrets
-import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import msgspec
 
 from kvdisagg.config import ConnectorConfig
-from kvdisagg.connector.metadata import DisaggMetadata, LoadSpec, SendSpec, WorkerHandshake
+from kvdisagg.connector.leases import Held, LeaseKeeper
+from kvdisagg.connector.metadata import (DisaggMetadata, DisaggWorkerMeta, LoadSpec, SendSpec,
+                                         WorkerHandshake)
 from kvdisagg.protocol import RemotePrefill, handoff_params
 
 if TYPE_CHECKING:
@@ -53,6 +58,12 @@ class DisaggScheduler:
         self._pulled: set[str] = set()  # decode requests whose load was already planned
         self._sends: list[SendSpec] = []
         self._loads: list[LoadSpec] = []
+        self.leases: LeaseKeeper | None = None  # decode: keeps held handoffs alive
+        # Prefill's staging arena: free arena block ids, and those of each staged handoff
+        # until every worker has freed it.
+        self._free_slots: list[int] = []
+        self._staged: dict[str, tuple[int, ...]] = {}
+        self._staged_freed: dict[str, int] = {}
 
     def set_handshake(self, metadata: dict[tuple[int, int], Any]) -> None:
         """Learn each TP rank's side-channel port and the layout fingerprint (once, at start)."""
@@ -62,6 +73,42 @@ class DisaggScheduler:
         self.kv_layout = ranks[0][1].kv_layout if ranks else ""
         self.transport_name = ranks[0][1].transport if ranks else ""
         self.keyed_by_tokens = bool(ranks and ranks[0][1].keyed_by_tokens)
+        if ranks and self.is_producer:
+            base = ranks[0][1].num_blocks
+            self._free_slots = list(range(base, base + min(m.stage_blocks for _, m in ranks)))
+        if self.is_consumer and not self.keyed_by_tokens:
+            self.leases = LeaseKeeper(self.kv_layout, self.transport_name,
+                                      self.config.transfer_timeout_seconds)
+
+    def on_new_request(self, request: Request) -> None:
+        """Decode: hold the request's handoff from now on (renewed while it waits)."""
+        params = request.kv_transfer_params
+        if self.leases is None or not (params and params.get("do_remote_prefill")):
+            return
+        try:
+            p = msgspec.convert(params, RemotePrefill)
+        except msgspec.ValidationError:
+            return  # refused when its load is planned
+        self.leases.hold(request.request_id, Held(
+            p.remote_request_id, p.kvdisagg.token, p.remote_host, tuple(p.kvdisagg.ports),
+            p.kvdisagg.lease_s))
+
+    def update_connector_output(self, finished_recving: set[str], failed_recving: set[str],
+                                worker_meta: DisaggWorkerMeta | None) -> None:
+        """A reported load ends the hold (a failed one also releases prefill's KV); staged
+        handoffs freed on every worker give their arena blocks back."""
+        if self.leases is not None:
+            for req_id in finished_recving:
+                self.leases.drop(req_id, release=req_id in failed_recving)
+        for req_id, n in (worker_meta.released.items() if worker_meta else ()):
+            self._staged_freed[req_id] = self._staged_freed.get(req_id, 0) + n
+            if self._staged_freed[req_id] >= self.tp_size:
+                del self._staged_freed[req_id]
+                self._free_slots.extend(self._staged.pop(req_id, ()))
+
+    def has_pending_work(self) -> bool:
+        """Offers not yet handed to the workers need one more step, even with no request."""
+        return bool(self._sends)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
@@ -104,6 +151,8 @@ class DisaggScheduler:
         self._pulled.add(request.request_id)  # never pull twice (recompute, preemption)
         local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
         load = self._plan_load(request.request_id, params, local)
+        if (load.error or load.release_only) and self.leases is not None:
+            self.leases.drop(request.request_id, release=False)  # the worker reports no load
         if self.keyed_by_tokens and not load.error:
             load = dataclasses.replace(load, prompt_token_ids=tuple(request.prompt_token_ids))
         self._loads.append(load)
@@ -149,6 +198,8 @@ class DisaggScheduler:
 
         self._pulled.discard(request.request_id)
         self._stored.pop(request.request_id, None)
+        if self.leases is not None:  # gone before its pull was reported: free prefill's KV
+            self.leases.drop(request.request_id, release=True)
         params = request.kv_transfer_params
         if (not self.is_producer or not params or not params.get("do_remote_decode")
                 or not block_ids or request.status not in
@@ -156,11 +207,19 @@ class DisaggScheduler:
             return False, None
         token = secrets.token_urlsafe(16)
         tokens = tuple(request.prompt_token_ids) if self.keyed_by_tokens else ()
-        self._sends.append(SendSpec(request.request_id, token, tuple(block_ids),
-                                    self.config.lease_seconds, tokens))
-        return True, handoff_params(
-            engine_id=self.engine_id, request_id=request.request_id, block_ids=block_ids,
+        offered, stage_from = tuple(block_ids), ()
+        if len(block_ids) <= len(self._free_slots):
+            offered, stage_from = tuple(self._free_slots[:len(block_ids)]), tuple(block_ids)
+            del self._free_slots[:len(block_ids)]
+            self._staged[request.request_id] = offered
+        self._sends.append(SendSpec(request.request_id, token, offered,
+                                    self.config.lease_seconds, tokens, stage_from))
+        return not stage_from, handoff_params(
+            engine_id=self.engine_id, request_id=request.request_id, block_ids=list(offered),
             host=self.config.side_channel_host, ports=self.ports,
             num_tokens=request.num_computed_tokens, transport=self.transport_name,
-            kv_layout=self.kv_layout, token=token,
-            lease_expires=time.time() + self.config.lease_seconds)
+            kv_layout=self.kv_layout, token=token, lease_s=self.config.lease_seconds)
+
+    def shutdown(self) -> None:
+        if self.leases is not None:
+            self.leases.close()

@@ -1,8 +1,11 @@
 """Worker side of DisaggConnector (runs in each vLLM worker process).
 
-Prefill: registers the KV memory with the transport and offers each finished request's blocks.
-Decode: runs each planned fetch on a thread pool straight into the request's blocks, and reports
-every load exactly once, done or failed, so vLLM's kv_load_failure_policy decides.
+Prefill: registers the KV memory (and a staging arena) with the transport and offers each finished
+request's blocks, first copying them into the arena where the scheduler staged them. Freed
+handoffs go back to vLLM as ``finished_sending`` (paged blocks vLLM still holds) or to the
+scheduler in worker metadata (arena blocks). Decode: runs each planned fetch on a thread pool
+straight into the request's blocks, and reports every load exactly once, done or failed, so
+vLLM's kv_load_failure_policy decides.
 
 Must not import connector/scheduler.py.
 """
@@ -16,10 +19,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from kvdisagg.config import ConnectorConfig
-from kvdisagg.connector.metadata import DisaggMetadata, LoadSpec, WorkerHandshake
+from kvdisagg.connector.metadata import (DisaggMetadata, DisaggWorkerMeta, LoadSpec,
+                                         WorkerHandshake)
 from kvdisagg.connector.stats import DisaggStats
 from kvdisagg.errors import KvDisaggError
-from kvdisagg.layout import layer_regions, layout_fingerprint
+from kvdisagg.layout import (LayerRegion, layer_regions, layout_fingerprint, stage_into,
+                             with_arena)
+from kvdisagg.threads import unbind_current_thread
 from kvdisagg.transport import Fetch, Offer, load_transport
 
 if TYPE_CHECKING:
@@ -40,11 +46,17 @@ class DisaggWorker:
         self.transport = load_transport(config, self.tp_rank)
         self.kv_layout = ""
         self.port = 0
+        self.regions: list[LayerRegion] = []
         self.stats = DisaggStats()
-        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvdisagg-pull")
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvdisagg-pull",
+                                        initializer=unbind_current_thread)
         self._inflight: dict[str, Future[int]] = {}
+        self._offered: DisaggMetadata | None = None  # the step's metadata already offered
+        self._paged: set[str] = set()  # offered handoffs that hold vLLM's paged blocks
+        self._staged: set[str] = set()  # offered handoffs held in the arena
         self._released_unseen: set[str] = set()  # freed on our side, not yet finished in vLLM
-        self._finished_seen: set[str] = set()
+        self._finished_seen: set[str] = set()  # finished in vLLM, handoff still held
+        self._staged_freed: set[str] = set()  # for the next worker metadata
         self._lock = threading.Lock()
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -53,21 +65,47 @@ class DisaggWorker:
         self.kv_layout = layout_fingerprint(
             model=model.model, dtype=str(model.dtype), block_size=block_size,
             tp_size=self.vllm_config.parallel_config.tensor_parallel_size, kv_caches=kv_caches)
-        self.port = self.transport.register(layer_regions(kv_caches), kv_layout=self.kv_layout,
+        self.regions = layer_regions(kv_caches)
+        if self.is_producer and (arena := self._arena_blocks()):
+            self.regions = with_arena(self.regions, arena)
+        self.port = self.transport.register(self.regions, kv_layout=self.kv_layout,
                                             block_size=block_size, is_producer=self.is_producer)
         logger.info("kvdisagg: %s transport on TP rank %d (layout %s, side channel %s:%d)",
                     self.transport.name, self.tp_rank, self.kv_layout,
                     self.config.side_channel_host, self.port)
 
+    def _arena_blocks(self) -> int:
+        """Staging arena size (config ``staging_blocks``); store transports copy out anyway."""
+        if getattr(self.transport, "keyed_by_tokens", False) or not self.regions:
+            return 0
+        if self.config.staging_blocks >= 0:
+            return self.config.staging_blocks
+        first = self.regions[0]
+        return first.num_blocks // 2 if first.pages.device.type == "cpu" else 0
+
     def handshake(self) -> WorkerHandshake:
         return WorkerHandshake(port=self.port, kv_layout=self.kv_layout,
                                transport=self.transport.name,
-                               keyed_by_tokens=getattr(self.transport, "keyed_by_tokens", False))
+                               keyed_by_tokens=getattr(self.transport, "keyed_by_tokens", False),
+                               num_blocks=self.regions[0].num_blocks if self.regions else 0,
+                               stage_blocks=self.regions[0].stage_blocks if self.regions else 0)
 
-    def start_load_kv(self, meta: DisaggMetadata) -> None:
+    def offer(self, meta: DisaggMetadata) -> None:
+        """Offer the step's finished handoffs, staging those the scheduler put in the arena.
+        Must run before the step's forward (vLLM may have given their paged blocks away):
+        vLLM calls it first in a step (handle_preemptions), start_load_kv only makes sure."""
+        if meta is self._offered:
+            return
+        self._offered = meta
         for send in meta.sends:
+            if send.stage_from:
+                stage_into(self.regions, send.stage_from, send.block_ids)
+            (self._staged if send.stage_from else self._paged).add(send.req_id)
             self.transport.offer(Offer(send.req_id, send.token, send.block_ids, send.lease_s,
                                        send.prompt_token_ids))
+
+    def start_load_kv(self, meta: DisaggMetadata) -> None:
+        self.offer(meta)
         for load in meta.loads:
             future = self._pool.submit(self._fetch, load)
             if not load.release_only:
@@ -106,14 +144,25 @@ class DisaggWorker:
             out, self.stats = self.stats, DisaggStats()
             return out
 
+    def take_worker_meta(self) -> DisaggWorkerMeta | None:
+        if not self._staged_freed:
+            return None
+        meta = DisaggWorkerMeta({req_id: 1 for req_id in self._staged_freed})
+        self._staged_freed = set()
+        return meta
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving). Never blocks."""
-        self._finished_seen |= finished_req_ids
-        self._released_unseen |= self.transport.take_released()
+        released = self.transport.take_released()
+        self._staged_freed |= released & self._staged
+        self._staged -= released
+        self._released_unseen |= released & self._paged
+        self._finished_seen |= finished_req_ids & self._paged
         # vLLM only accepts a finished send once it has itself finished the request.
         sending = self._released_unseen & self._finished_seen
         self._released_unseen -= sending
         self._finished_seen -= sending
+        self._paged -= sending
         recving, failed = set(), set()
         for req_id, future in list(self._inflight.items()):
             if not future.done():

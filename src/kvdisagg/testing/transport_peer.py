@@ -8,6 +8,8 @@ a real process boundary with the same seeded KV on both ends:
     <- {"port": 41234}
     -> {"op": "offer", "handoff_id": "r1", "token": "t", "block_ids": [2, 3], "prompt": [..]}
     <- {"ok": true}
+    -> {"op": "offer", ..., "block_ids": [32, 33], "stage_from": [2, 3]}   (staged in the arena)
+    -> {"op": "scribble", "block_ids": [2, 3]}    <- {"ok": true}   (overwrite paged blocks)
     -> {"op": "released"}            <- {"released": ["r1"]}
     -> {"op": "reopen"}              <- {"port": 41235}      (close, then a new transport)
 """
@@ -26,7 +28,7 @@ import msgspec
 import torch
 
 from kvdisagg.config import ConnectorConfig
-from kvdisagg.layout import layer_regions
+from kvdisagg.layout import layer_regions, stage_into, with_arena
 from kvdisagg.transport import Offer, Transport, load_transport
 
 KV_LAYOUT = "conformance"
@@ -44,9 +46,12 @@ def kv_caches(seed: int | None, num_blocks: int = 32, num_layers: int = 2,
 
 
 def open_transport(config: ConnectorConfig, caches: dict[str, torch.Tensor], *,
-                   is_producer: bool) -> tuple[Transport, int]:
+                   is_producer: bool, stage_blocks: int = 0) -> tuple[Transport, int]:
+    regions = layer_regions(caches)
+    if stage_blocks:
+        regions = with_arena(regions, stage_blocks)
     transport = load_transport(config)
-    port = transport.register(layer_regions(caches), kv_layout=KV_LAYOUT, block_size=BLOCK_SIZE,
+    port = transport.register(regions, kv_layout=KV_LAYOUT, block_size=BLOCK_SIZE,
                               is_producer=is_producer)
     return transport, port
 
@@ -55,11 +60,13 @@ class PeerProcess:
     """Client of this module run as a subprocess: the prefill side, seeded, in its own process."""
 
     def __init__(self, transport: str, extra: dict[str, Any], *, seed: int = 1,
-                 blocks: int = 32, block_shape: Sequence[int] = (2, BLOCK_SIZE, 64)) -> None:
+                 blocks: int = 32, block_shape: Sequence[int] = (2, BLOCK_SIZE, 64),
+                 stage_blocks: int = 0) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvdisagg.testing.transport_peer", "--transport", transport,
              "--config", json.dumps(extra), "--seed", str(seed), "--blocks", str(blocks),
-             "--block-shape", ",".join(map(str, block_shape))],
+             "--block-shape", ",".join(map(str, block_shape)),
+             "--stage-blocks", str(stage_blocks)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.port = self._read()["port"]
 
@@ -75,10 +82,11 @@ class PeerProcess:
         return self._read()
 
     def offer(self, handoff_id: str, block_ids: Sequence[int], prompt: Sequence[int],
-              lease_s: float = 30.0) -> str:
+              lease_s: float = 30.0, stage_from: Sequence[int] = ()) -> str:
         token = secrets.token_hex(8)
         reply = self.ask(op="offer", handoff_id=handoff_id, token=token,
-                         block_ids=list(block_ids), prompt=list(prompt), lease_s=lease_s)
+                         block_ids=list(block_ids), prompt=list(prompt), lease_s=lease_s,
+                         stage_from=list(stage_from))
         if reply != {"ok": True}:
             raise RuntimeError(f"offer refused: {reply}")
         return token
@@ -121,25 +129,34 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--blocks", type=int, default=32)
     p.add_argument("--block-shape", default="2,16,64")
+    p.add_argument("--stage-blocks", type=int, default=0, help="staging arena blocks")
     args = p.parse_args()
     config = msgspec.convert({**json.loads(args.config), "transport": args.transport},
                              ConnectorConfig)
     shape = tuple(int(x) for x in args.block_shape.split(","))
     caches = kv_caches(args.seed, args.blocks, block_shape=shape)
-    transport, port = open_transport(config, caches, is_producer=True)
+    transport, port = open_transport(config, caches, is_producer=True,
+                                     stage_blocks=args.stage_blocks)
     _say({"port": port})
     for line in sys.stdin:
         cmd = json.loads(line)
         match cmd.get("op"):
             case "offer":
+                if cmd.get("stage_from"):
+                    stage_into(transport.regions, cmd["stage_from"], cmd["block_ids"])
                 transport.offer(Offer(cmd["handoff_id"], cmd["token"], tuple(cmd["block_ids"]),
                                       cmd.get("lease_s", 30.0), tuple(cmd.get("prompt", ()))))
+                _say({"ok": True})
+            case "scribble":
+                for tensor in caches.values():
+                    tensor[cmd["block_ids"]] = -1.0
                 _say({"ok": True})
             case "released":
                 _say({"released": sorted(transport.take_released())})
             case "reopen":
                 transport.close()
-                transport, port = open_transport(config, caches, is_producer=True)
+                transport, port = open_transport(config, caches, is_producer=True,
+                                                 stage_blocks=args.stage_blocks)
                 _say({"port": port})
             case other:
                 _say({"error": f"unknown op {other!r}"})

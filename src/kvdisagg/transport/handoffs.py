@@ -5,7 +5,8 @@ Shared by every pull transport (transport/pull.py), whatever moves the bytes.
 Clients never control what memory is read: a Read names a handoff, proves it holds the handoff's
 random token, and may only list blocks of that handoff; prefill maps them to memory itself.
 Reads of an expired or acknowledged handoff are refused, and a handoff being read is pinned so
-its lease cannot expire under the reader.
+its lease cannot expire under the reader. The decode that holds a handoff renews its lease while
+the request waits in its queue (Renew), so a lease runs out only when that decode went away.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ TOMBSTONES = 4096  # ids freed recently: a late Read for one is refused at once,
 class _Handoff:
     token: str
     block_ids: frozenset[int]
+    lease_s: float
     deadline: float
     readers: int = 0
     done: bool = False
@@ -45,7 +47,8 @@ class HandoffTable:
 
     def add(self, req_id: str, token: str, block_ids: Sequence[int], lease_s: float) -> None:
         with self._cond:
-            self._items[req_id] = _Handoff(token, frozenset(block_ids), time.monotonic() + lease_s)
+            self._items[req_id] = _Handoff(token, frozenset(block_ids), lease_s,
+                                           time.monotonic() + lease_s)
             self._cond.notify_all()
 
     def pin(self, req_id: str, token: str, block_ids: Sequence[int], wait_s: float) -> str:
@@ -70,6 +73,19 @@ class HandoffTable:
         with self._cond:
             if (h := self._items.get(req_id)) is not None:
                 h.readers -= 1
+
+    def renew(self, refs: Sequence[tuple[str, str]]) -> int:
+        """Restart the leases of ``(handoff id, token)`` pairs that are live and whose token
+        matches; return how many were."""
+        now, renewed = time.monotonic(), 0
+        with self._cond:
+            for req_id, token in refs:
+                h = self._items.get(req_id)
+                if (h is not None and not h.done and now <= h.deadline
+                        and hmac.compare_digest(h.token, token)):
+                    h.deadline = now + h.lease_s
+                    renewed += 1
+        return renewed
 
     def release(self, req_id: str, token: str) -> bool:
         with self._cond:

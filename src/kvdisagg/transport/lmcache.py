@@ -148,7 +148,7 @@ class LMCacheClient:
         """Store the concatenation of ``parts`` (no reply in LMCache's protocol)."""
         def call(sock: socket.socket) -> None:
             header = self._header(ClientCommand.PUT, key, sum(p.nbytes for p in parts))
-            send_views(sock, [memoryview(header), *parts])
+            send_views(sock, [memoryview(header), *parts], deadline.left)
         self._call(deadline, call)
 
     def get_into(self, key: CacheEngineKey, parts: Sequence[memoryview],
@@ -164,7 +164,7 @@ class LMCacheClient:
                 self.close()  # the value is still on the wire: drop the connection
                 raise TransferFailed(f"LMCache chunk {key.to_string()} holds {reply.length} "
                                      f"bytes, expected {expected} (another layout?)")
-            recv_into_views(sock, list(parts))
+            recv_into_views(sock, list(parts), deadline.left)
             return True
         return self._call(deadline, call)
 

@@ -31,6 +31,8 @@ class MemoryInfo(msgspec.Struct, frozen=True, kw_only=True):
     bases: list[int]
     page_bytes: list[int]
     num_blocks: list[int]
+    stage_bases: list[int] = []  # each layer's staging arena (block ids from num_blocks on)
+    stage_blocks: list[int] = []
 
 
 def rdma_devices() -> list[str]:
@@ -69,7 +71,9 @@ class MooncakeTransport(PullTransport):
             endpoint=f"{self.config.side_channel_host}:{self.engine.get_rpc_port()}",
             bases=[r.pages.data_ptr() for r in self.regions],
             page_bytes=[r.page_bytes for r in self.regions],
-            num_blocks=[r.num_blocks for r in self.regions]))
+            num_blocks=[r.num_blocks for r in self.regions],
+            stage_bases=[r.stage.data_ptr() if r.stage_blocks else 0 for r in self.regions],
+            stage_blocks=[r.stage_blocks for r in self.regions]))
 
     def open_client(self, sock: socket.socket, info: dict[str, Any], deadline: Deadline) -> Any:
         try:
@@ -80,18 +84,18 @@ class MooncakeTransport(PullTransport):
             raise IncompatiblePeerError("mooncake: prefill's per-layer page sizes differ")
         if not (len(peer.bases) == len(peer.num_blocks) == len(self.regions)):
             raise IncompatiblePeerError("mooncake: prefill advertises another layer count")
+        if peer.stage_blocks and not (len(peer.stage_blocks) == len(peer.stage_bases)
+                                      == len(peer.bases)):
+            raise IncompatiblePeerError("mooncake: prefill advertises a malformed arena")
         return peer
 
     def recv(self, peer: MemoryInfo, sock: socket.socket, runs: Sequence[CopyRun],
              deadline: Deadline) -> None:
         local, remote, lengths = [], [], []
         for run in runs:
-            if run.src + run.count > peer.num_blocks[run.layer]:
-                raise TransferFailed(f"mooncake: block {run.src + run.count - 1} beyond "
-                                     f"prefill's {peer.num_blocks[run.layer]}")
-            page = peer.page_bytes[run.layer]
             local.append(run_tensor(self.regions, run, "dst").data_ptr())
-            remote.append(peer.bases[run.layer] + run.src * page)
+            remote.append(_remote_address(peer, run))
+            page = peer.page_bytes[run.layer]
             lengths.append(run.count * page)
         for i in range(0, len(local), MAX_BATCH):
             deadline.left()
@@ -109,11 +113,26 @@ class MooncakeTransport(PullTransport):
         self._registered = []
 
 
+def _remote_address(peer: MemoryInfo, run: CopyRun) -> int:
+    """Where prefill's side of ``run`` lives: its pages, or its staging arena."""
+    n, page = peer.num_blocks[run.layer], peer.page_bytes[run.layer]
+    staged = peer.stage_blocks[run.layer] if peer.stage_blocks else 0
+    if run.src + run.count <= n:
+        return peer.bases[run.layer] + run.src * page
+    if run.src >= n and run.src + run.count <= n + staged:
+        return peer.stage_bases[run.layer] + (run.src - n) * page
+    raise TransferFailed(f"mooncake: blocks {run.src}..{run.src + run.count - 1} are not "
+                         f"prefill's ({n} pages, {staged} staged)")
+
+
 def _spans(regions: Sequence[LayerRegion]) -> list[tuple[int, int]]:
-    """Each region's memory, merged where layers are adjacent (vLLM allocates one buffer)."""
+    """Each region's memory (pages and arena), merged where adjacent (vLLM allocates one
+    buffer for every layer's pages)."""
+    memory = [(r.pages.data_ptr(), r.page_bytes * r.num_blocks) for r in regions]
+    memory += [(r.stage.data_ptr(), r.page_bytes * r.stage_blocks) for r in regions
+               if r.stage_blocks]
     spans: list[tuple[int, int]] = []
-    for addr, nbytes in sorted((r.pages.data_ptr(), r.page_bytes * r.num_blocks)
-                               for r in regions):
+    for addr, nbytes in sorted(memory):
         if spans and spans[-1][0] + spans[-1][1] == addr:
             spans[-1] = (spans[-1][0], spans[-1][1] + nbytes)
         elif spans and addr < spans[-1][0] + spans[-1][1]:

@@ -13,6 +13,15 @@ opened once and kept:
                mooncake a one-sided read of the memory advertised in the Hello reply) ...
     Done(handoff, token)            ->   unpin, free                    (one-way)
 
+Decode's scheduler keeps the handoffs it holds alive over a control connection of its own
+(Hello with ``control``; no transport peer is set up for it):
+
+    Renew([(handoff, token), ...])  ->   restart their leases            (one-way, periodic)
+    Done(handoff, token)            ->   free without reading            (the request went away)
+
+A decode worker keeps a small pool of connections per prefill worker: each pull owns one
+connection from checkout to checkin, so concurrent pulls never share a socket.
+
 Subclasses override the data-path hooks below; everything else (auth, leases, pinning, deadlines,
 connection reuse, errors) is here once.
 """
@@ -23,21 +32,23 @@ import logging
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
 from kvdisagg.config import ConnectorConfig
 from kvdisagg.errors import (IncompatiblePeerError, PeerUnreachable, TransferFailed,
                              TransferTimeout, TransportError)
 from kvdisagg.layout import CopyRun, LayerRegion, check_blocks, copy_runs, run_bytes
-from kvdisagg.protocol import (PROTOCOL_VERSION, Done, Hello, Read, Reply, encode_frame,
+from kvdisagg.protocol import (PROTOCOL_VERSION, Done, Hello, Read, Renew, Reply, encode_frame,
                                recv_frame, send_frame)
 from kvdisagg.transport.base import Fetch, Offer
+from kvdisagg.threads import start_thread
 from kvdisagg.transport.handoffs import REGISTRATION_GRACE_S, HandoffTable
 
 logger = logging.getLogger(__name__)
 
 IDLE_CONNECTION_S = 600.0  # prefill drops a side-channel connection idle this long
+POOLED_PER_PEER = 8  # idle connections decode keeps per prefill worker (one per pull thread)
 
 
 class Deadline:
@@ -56,11 +67,10 @@ class Deadline:
 
 @dataclass
 class _Connection:
-    """Decode's side of one side-channel connection (used by one pull at a time)."""
+    """Decode's side of one side-channel connection (owned by one pull at a time)."""
 
     sock: socket.socket
     peer: Any  # the subclass's per-connection state (open_client)
-    lock: threading.Lock = field(default_factory=threading.Lock)
     uses: int = 0
 
 
@@ -74,7 +84,7 @@ class PullTransport:
         self.table = HandoffTable()
         self._listener: socket.socket | None = None
         self._closed = False
-        self._conns: dict[tuple[str, int], _Connection] = {}
+        self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._conns_lock = threading.Lock()
 
     # ---- data-path hooks (override) ------------------------------------------------------
@@ -123,8 +133,7 @@ class PullTransport:
         port = self.config.side_channel_port
         self._listener = socket.create_server(
             (self.config.side_channel_host, port + self.tp_rank if port else 0), backlog=64)
-        threading.Thread(target=self._accept_loop, name=f"kvdisagg-{self.name}-accept",
-                         daemon=True).start()
+        start_thread(self._accept_loop, f"kvdisagg-{self.name}-accept")
         return self._listener.getsockname()[1]
 
     def offer(self, offer: Offer) -> None:
@@ -137,25 +146,25 @@ class PullTransport:
         deadline = Deadline(timeout_s, f"pull of handoff {fetch.handoff_id} from "
                                        f"{fetch.host}:{fetch.port}")
         key = (fetch.host, fetch.port)
-        # A pooled connection may have died since its last use (prefill restarted): one retry
-        # on a fresh one, before anything was granted.
+        # A pooled connection may have died since its last use (prefill restarted): drop the
+        # pool and retry once on a fresh connection, before anything was granted.
         for attempt in (0, 1):
-            conn = self._connection(key, deadline)
-            if not conn.lock.acquire(timeout=deadline.left()):
-                raise TransferTimeout(f"{deadline.what}: connection busy past the deadline")
+            conn = self._checkout(key, deadline)
+            reused = conn.uses > 0
+            conn.uses += 1
             try:
-                reused = conn.uses > 0
-                conn.uses += 1
-                return self._pull(conn, fetch, deadline)
+                nbytes = self._pull(conn, fetch, deadline)
             except _StaleConnection as exc:
-                self._drop(key, conn)
+                self._close_connection(conn)
+                self._drop_idle(key)
                 if attempt or not reused:
                     raise TransferFailed(f"{deadline.what}: {exc}") from None
+                continue
             except BaseException:
-                self._drop(key, conn)
+                self._close_connection(conn)
                 raise
-            finally:
-                conn.lock.release()
+            self._checkin(key, conn)
+            return nbytes
         raise AssertionError("unreachable")
 
     def close(self) -> None:
@@ -168,17 +177,33 @@ class PullTransport:
             except OSError:
                 pass
             self._listener.close()
-        with self._conns_lock:
-            conns, self._conns = list(self._conns.values()), {}
-        for conn in conns:
-            self._close_connection(conn)
+        for key in list(self._idle):
+            self._drop_idle(key)
 
     # ---- decode side ----------------------------------------------------------------------
-    def _connection(self, key: tuple[str, int], deadline: Deadline) -> _Connection:
+    def _checkout(self, key: tuple[str, int], deadline: Deadline) -> _Connection:
+        """An idle pooled connection to ``key``, or a new one: the caller owns it."""
         with self._conns_lock:
-            conn = self._conns.get(key)
-        if conn is not None:
-            return conn
+            idle = self._idle.get(key)
+            if idle:
+                return idle.pop()
+        return self._open(key, deadline)
+
+    def _checkin(self, key: tuple[str, int], conn: _Connection) -> None:
+        with self._conns_lock:
+            idle = self._idle.setdefault(key, [])
+            if not self._closed and len(idle) < POOLED_PER_PEER:
+                idle.append(conn)
+                return
+        self._close_connection(conn)
+
+    def _drop_idle(self, key: tuple[str, int]) -> None:
+        with self._conns_lock:
+            idle = self._idle.pop(key, [])
+        for conn in idle:
+            self._close_connection(conn)
+
+    def _open(self, key: tuple[str, int], deadline: Deadline) -> _Connection:
         host, port = key
         try:
             sock = socket.create_connection(key, timeout=deadline.left())
@@ -205,16 +230,7 @@ class PullTransport:
             if isinstance(exc, OSError):
                 raise TransferFailed(f"handshake with {host}:{port} broke: {exc}") from None
             raise
-        conn = _Connection(sock, peer)
-        with self._conns_lock:
-            self._conns[key] = conn
-        return conn
-
-    def _drop(self, key: tuple[str, int], conn: _Connection) -> None:
-        with self._conns_lock:
-            if self._conns.get(key) is conn:
-                del self._conns[key]
-        self._close_connection(conn)
+        return _Connection(sock, peer)
 
     def _close_connection(self, conn: _Connection) -> None:
         try:
@@ -269,8 +285,7 @@ class PullTransport:
                 sock, _ = self._listener.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(sock,), daemon=True,
-                             name=f"kvdisagg-{self.name}-serve").start()
+            start_thread(self._serve, f"kvdisagg-{self.name}-serve", sock)
 
     def _serve(self, sock: socket.socket) -> None:
         peer = None
@@ -287,11 +302,16 @@ class PullTransport:
                 if error:
                     return
                 assert isinstance(hello, Hello)
-                peer = self.open_server(sock, hello.info, info)
+                control = hello.control
+                if not control:
+                    peer = self.open_server(sock, hello.info, info)
                 while not self._closed:
                     sock.settimeout(IDLE_CONNECTION_S)
                     msg = recv_frame(sock)
                     sock.settimeout(timeout)
+                    if control and isinstance(msg, Read):
+                        send_frame(sock, Reply(ok=False, error="Read on a control connection"))
+                        continue
                     self._handle(peer, sock, msg)
         except (OSError, TransportError) as exc:
             logger.debug("kvdisagg: side-channel connection ended: %s", exc)
@@ -341,6 +361,8 @@ class PullTransport:
             case Done(handoff_id=rid, token=token):
                 if not self.table.release(rid, token):
                     logger.warning("kvdisagg: Done for unknown handoff %s (or wrong token)", rid)
+            case Renew(handoffs=refs):
+                self.table.renew([(r.handoff_id, r.token) for r in refs])
             case _:
                 send_frame(sock, Reply(ok=False, error=f"unexpected {type(msg).__name__}"))
 
