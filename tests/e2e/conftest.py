@@ -89,3 +89,24 @@ def prompt_ids(n: int, seed: int = 0) -> list[int]:
 
 def blocks(n_tokens: int) -> int:
     return math.ceil(n_tokens / BLOCK)
+
+
+def poke(base_url: str) -> None:
+    """One tiny request: an idle engine takes a step (and accounts what its workers did)."""
+    status, body = post(base_url + "/v1/completions",
+                        {"model": "tiny", "prompt": [5], "max_tokens": 1}, timeout=120)
+    assert status == 200, body
+
+
+def wait_handoffs_freed(prefill_url: str, timeout_s: float = 30.0) -> tuple[float, float]:
+    """(offered, freed) handoffs of a prefill instance once they agree, or at the timeout.
+    Its engine idles once it holds only staged handoffs and accounts frees on its next step,
+    and vLLM publishes stats on an interval: poke and poll."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        offered = metric(prefill_url, "vllm:kvdisagg_handoffs_offered_total")
+        freed = metric(prefill_url, "vllm:kvdisagg_handoffs_freed_total")
+        if offered == freed or time.monotonic() > deadline:
+            return offered, freed
+        poke(prefill_url)
+        time.sleep(1)

@@ -10,8 +10,8 @@ import pytest
 
 from kvdisagg.testing.servers import free_port
 
-from .conftest import (LEASE_S, TIMEOUT_S, blocks, metric, post, post_stream, prompt_ids,
-                       wait_kv_usage_zero)
+from .conftest import (LEASE_S, TIMEOUT_S, blocks, metric, poke, post, post_stream, prompt_ids,
+                       wait_handoffs_freed, wait_kv_usage_zero)
 
 pytestmark = pytest.mark.e2e
 GEN = {"model": "tiny", "temperature": 0, "max_tokens": 12, "ignore_eos": True,
@@ -105,16 +105,28 @@ def test_prefill_holds_no_kv_after_load(fleet):
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda i: completion(fleet.proxy_url, prompt_ids(260, seed=i)), range(4)))
     assert wait_kv_usage_zero(fleet.prefill.base_url, timeout=5) == 0
+    offered, freed = wait_handoffs_freed(fleet.prefill.base_url)
+    assert offered == freed >= 4
+    assert metric(fleet.prefill.base_url, "vllm:kvdisagg_handoffs_staged_total") >= 4
 
 
 def test_unpulled_handoff_freed_at_lease_expiry(fleet):
-    assert wait_kv_usage_zero(fleet.prefill.base_url, timeout=LEASE_S + 5) == 0
-    status, _ = post(fleet.prefill.base_url + "/v1/completions",
-                     {**GEN, "prompt": prompt_ids(400, seed=5), "max_tokens": 1,
-                      "kv_transfer_params": {"do_remote_decode": True}})
-    assert status == 200
-    assert metric(fleet.prefill.base_url, "vllm:kv_cache_usage_perc") > 0  # held for decode
-    assert wait_kv_usage_zero(fleet.prefill.base_url, timeout=LEASE_S + 5) == 0
+    """Staged: vLLM's paged blocks are free at once; the KV waits in the arena until its lease
+    runs out (nobody renews it), then a late decode is refused."""
+    p = fleet.prefill.base_url
+    expired = metric(p, "vllm:kvdisagg_handoffs_expired_total")
+    prompt = prompt_ids(400, seed=5)
+    params = _handoff(fleet, prompt)
+    assert wait_kv_usage_zero(p, timeout=5) == 0
+    time.sleep(LEASE_S + 0.5)
+    deadline = time.monotonic() + 20
+    while metric(p, "vllm:kvdisagg_handoffs_expired_total") == expired:
+        assert time.monotonic() < deadline, "the handoff's lease never ran out"
+        poke(p)
+        time.sleep(0.5)
+    status, body = post(fleet.decode.base_url + "/v1/completions",
+                        {**GEN, "prompt": prompt, "kv_transfer_params": params}, timeout=60)
+    assert status >= 400 and "error" in str(body).lower(), body
 
 
 def _handoff(fleet, prompt):

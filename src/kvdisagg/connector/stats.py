@@ -15,6 +15,10 @@ FIELDS = {
     "pulled_bytes": "KV bytes pulled from prefill instances",
     "pull_seconds": "Wall time spent in KV pulls, summed over pulls",
     "pulled_blocks": "KV blocks pulled from prefill instances",
+    "handoffs_offered": "Handoffs this prefill instance offered to decode instances",
+    "handoffs_staged": "Handoffs copied into the staging arena (paged blocks freed at once)",
+    "handoffs_freed": "Handoffs freed: pulled, released by their decode, or expired",
+    "handoffs_expired": "Handoffs freed unread because no decode renewed their lease",
 }
 
 

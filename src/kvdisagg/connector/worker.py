@@ -57,6 +57,7 @@ class DisaggWorker:
         self._released_unseen: set[str] = set()  # freed on our side, not yet finished in vLLM
         self._finished_seen: set[str] = set()  # finished in vLLM, handoff still held
         self._staged_freed: set[str] = set()  # for the next worker metadata
+        self._expired_seen = 0
         self._lock = threading.Lock()
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -103,6 +104,10 @@ class DisaggWorker:
             (self._staged if send.stage_from else self._paged).add(send.req_id)
             self.transport.offer(Offer(send.req_id, send.token, send.block_ids, send.lease_s,
                                        send.prompt_token_ids))
+        if meta.sends:
+            with self._lock:
+                self.stats.add(handoffs_offered=len(meta.sends),
+                               handoffs_staged=sum(bool(s.stage_from) for s in meta.sends))
 
     def start_load_kv(self, meta: DisaggMetadata) -> None:
         self.offer(meta)
@@ -154,6 +159,12 @@ class DisaggWorker:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving). Never blocks."""
         released = self.transport.take_released()
+        table = getattr(self.transport, "table", None)  # pull transports' handoff table
+        expired = table.expired_unread - self._expired_seen if table is not None else 0
+        if released or expired:
+            with self._lock:
+                self.stats.add(handoffs_freed=len(released), handoffs_expired=expired)
+            self._expired_seen += expired
         self._staged_freed |= released & self._staged
         self._staged -= released
         self._released_unseen |= released & self._paged

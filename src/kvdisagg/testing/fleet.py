@@ -1,7 +1,9 @@
 """A 1P1D fleet of real vLLM processes plus the proxy, shared by the demo, tests and benchmarks.
 
-Each instance gets its own core (``VLLM_CPU_OMP_THREADS_BIND``), its own process group, and a
-log file; all start in parallel, since start-up dominates on small machines.
+By default each instance gets its own core (``VLLM_CPU_OMP_THREADS_BIND``); ``binds`` changes
+that, None for an instance meaning vLLM's own default (as users start it). Each instance has its
+own process group and log file; all start in parallel, since start-up dominates on small
+machines.
 """
 
 from __future__ import annotations
@@ -32,21 +34,27 @@ class Fleet:
                  prefill_extra: dict[str, Any] | None = None,
                  decode_extra: dict[str, Any] | None = None,
                  decode_failure_policy: str = "fail", prefill_failure_policy: str = "fail",
-                 prefill_args: Sequence[str] = (),
+                 prefill_args: Sequence[str] = (), decode_args: Sequence[str] = (),
+                 reference_args: Sequence[str] = (),
+                 binds: dict[str, str | None] | None = None,
                  env: dict[str, str] | None = None) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = log_dir
-        self.prefill = VllmServer(model, log_path=log_dir / "prefill.log", omp_threads_bind="0",
+        bind = {"prefill": "0", "decode": "1", "reference": "nobind", **(binds or {})}
+        self.prefill = VllmServer(model, log_path=log_dir / "prefill.log",
+                                  omp_threads_bind=bind["prefill"],
                                   extra_args=[*kv_transfer_args("kv_producer", prefill_extra,
                                                                 prefill_failure_policy),
                                               *prefill_args],
                                   env=env)
         self.decode = VllmServer(model, log_path=log_dir / "decode.log",
-                                 omp_threads_bind="1", env=env,
-                                 extra_args=kv_transfer_args("kv_consumer", decode_extra,
-                                                             decode_failure_policy))
+                                 omp_threads_bind=bind["decode"], env=env,
+                                 extra_args=[*kv_transfer_args("kv_consumer", decode_extra,
+                                                               decode_failure_policy),
+                                             *decode_args])
         self.reference = (VllmServer(model, log_path=log_dir / "reference.log",
-                                     omp_threads_bind="nobind", env=env)
+                                     omp_threads_bind=bind["reference"], env=env,
+                                     extra_args=list(reference_args))
                           if reference else None)
         self.proxy_port = free_port()
         self.proxy: subprocess.Popen[bytes] | None = None

@@ -50,7 +50,7 @@ class VllmServer:
         *,
         extra_args: Sequence[str] = (),
         log_path: str | Path | None = None,
-        omp_threads_bind: str = "nobind",
+        omp_threads_bind: str | None = "nobind",
         kvcache_space_gib: int = 1,
         env: Mapping[str, str] | None = None,
         served_model_name: str = "tiny",
@@ -93,8 +93,11 @@ class VllmServer:
             VLLM_CPU_KVCACHE_SPACE=str(self.kvcache_space_gib),
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
-            VLLM_CPU_OMP_THREADS_BIND=self.omp_threads_bind,
         )
+        # None: vLLM's own default (auto binding), as users start it.
+        env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        if self.omp_threads_bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.omp_threads_bind
         env.update(self.extra_env)
         return env
 

@@ -44,6 +44,7 @@ class HandoffTable:
     _items: dict[str, _Handoff] = field(default_factory=dict)
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _gone: OrderedDict[str, str] = field(default_factory=OrderedDict)  # id -> why
+    expired_unread: int = 0  # handoffs freed because their lease ran out (ever)
 
     def add(self, req_id: str, token: str, block_ids: Sequence[int], lease_s: float) -> None:
         with self._cond:
@@ -104,6 +105,7 @@ class HandoffTable:
             for rid in out:
                 expired = not self._items.pop(rid).done
                 if expired:
+                    self.expired_unread += 1
                     logger.warning("kvdisagg: handoff %s lease expired unread; freeing", rid)
                 self._gone[rid] = "expired unread" if expired else "already released"
                 if len(self._gone) > TOMBSTONES:
