@@ -104,20 +104,6 @@ def assert_serves_next(fleet, seed: int) -> None:
     assert [send(fleet.proxy_url, b) for b in items] == [("ok", e) for e in expected]
 
 
-def wait_proxy_sees(fleet, side: str, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(fleet.proxy_url + "/readiness", timeout=2) as r:
-                state = json.loads(r.read())
-            if state[side]["healthy"] == state[side]["total"]:
-                return
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"proxy never saw {side} healthy again")
-
-
 @pytest.mark.timeout(900)
 def test_prefill_stalled_past_the_transfer_timeout(fleet):
     items = bodies(100)
@@ -146,7 +132,7 @@ def test_decode_killed_mid_stream_then_restarted(fleet):
     assert any(r[0] == "error" for r in results), "the kill struck no request"
     fleet.decode.start()
     fleet.decode.wait_ready(600)
-    wait_proxy_sees(fleet, "decode")
+    fleet.wait_proxy_ready(120)
     assert_serves_next(fleet, 400)
     # What the dead decode held was freed by lease expiry (nobody renews it any more).
     offered, freed = wait_handoffs_freed(fleet.prefill.base_url, timeout_s=LEASE_S + 30)

@@ -78,13 +78,13 @@ class Fleet:
         try:
             for server in self.servers:
                 server.wait_ready(timeout_s)
-            self._wait_proxy()
+            self.wait_proxy_ready()
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _wait_proxy(self, timeout_s: float = 60.0) -> None:
+    def wait_proxy_ready(self, timeout_s: float = 60.0) -> None:
         """Until the proxy's probes have found every instance healthy (``/readiness``)."""
         deadline = time.monotonic() + timeout_s
         last = ""
