@@ -14,8 +14,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from kvdisagg.proxy import make_app
-from kvdisagg.proxy.config import (HealthConfig, InstanceSpec, ProxyConfig, RetryConfig, Role,
-                                   SloConfig, TimeoutConfig, PolicyConfig)
+from kvdisagg.proxy.app import REGISTRY
+from kvdisagg.proxy.config import (BreakerConfig, HealthConfig, InstanceSpec, PolicyConfig,
+                                   ProxyConfig, RetryConfig, Role, SloConfig, TimeoutConfig)
 from kvdisagg.testing.fake_vllm import FakeVllm
 from kvdisagg.testing.servers import free_port
 
@@ -436,8 +437,10 @@ def test_slo_aware_sheds_with_429_when_no_instance_meets_ttft() -> None:
             assert r.status == 429
             err = (await r.json())["error"]
             assert err["type"] == "rate_limit_exceeded" and "TTFT SLO" in err["message"]
+            assert r.headers["Retry-After"] == "1"
             text = await env.metrics()
             assert metric(text, "kvdisagg_proxy_requests_total", outcome="shed") == 1
+            assert metric(text, "kvdisagg_proxy_rejected_total", reason="slo_ttft") == 1
     run(t())
 
 
@@ -481,6 +484,9 @@ def test_bad_json_health_readiness_models() -> None:
             assert (await env.client.get("/readiness")).status == 503
             r = await env.client.post("/v1/completions", json=GEN)
             assert r.status == 503 and "no healthy decode" in (await r.json())["error"]["message"]
+            assert r.headers["Retry-After"] == "2"  # health.interval_s: when it may be back
+            assert metric(await env.metrics(), "kvdisagg_proxy_rejected_total",
+                          reason="no_healthy_decode") == 1
     run(t())
 
 
@@ -540,4 +546,162 @@ def test_stream_relay_backpressure_and_http10(monkeypatch: pytest.MonkeyPatch) -
             assert rest == expected
             text = await env.metrics()
             assert metric(text, "kvdisagg_proxy_requests_total", outcome="ok") == 2
+    run(t())
+
+
+# Issue 9: under load, P/D never loses a request that a single vLLM instance would serve.
+
+FAST = TimeoutConfig(prefill_s=2.0, decode_connect_s=0.2, decode_total_s=5.0, decode_idle_s=0.2)
+
+
+async def instance_rows(env: Env) -> dict[str, dict[str, Any]]:
+    r = await env.client.get("/admin/list")
+    return {i["url"]: i for i in (await r.json())["instances"]}
+
+
+def test_decode_answering_later_than_connect_timeout_is_served() -> None:
+    """vLLM sends a non-streamed answer's headers only when generation is done, so waiting for
+    them (or for a stream's first event) is bounded by decode_total_s, not decode_connect_s
+    or decode_idle_s; a leg that takes its time is not held against the breaker."""
+    async def t() -> None:
+        async with proxy(timeouts=FAST, breaker=BreakerConfig(failure_threshold=1)) as env:
+            env.decode[0].delay_s = 0.6  # > decode_connect_s and decode_idle_s
+            rs = await asyncio.gather(*(env.client.post("/v1/completions",
+                                                        json={**GEN, "stream": i % 2 == 1})
+                                        for i in range(6)))
+            assert [r.status for r in rs] == [200] * 6
+            assert all([b"t1" in await r.read() for r in rs])
+            assert len(env.prefill[0].seen) == 6  # no retry, no re-prefill
+            row = (await instance_rows(env))[env.urls["d0"]]
+            assert row["breaker"] == "closed" and row["errors"]["decode"] == 0
+    run(t())
+
+
+def test_timeouts_count_but_do_not_open_breakers() -> None:
+    async def t() -> None:
+        async with proxy(n_prefill=2, n_decode=2, breaker=BreakerConfig(failure_threshold=1),
+                         timeouts=TimeoutConfig(prefill_s=0.3, decode_total_s=0.4)) as env:
+            env.prefill[0].delay_s = 1.0  # each of its legs times out; p1 takes the retry
+            for _ in range(4):
+                assert (await env.client.post("/v1/completions", json=GEN)).status == 200
+            assert len(env.prefill[0].seen) == 2  # still in the rotation after timing out
+            env.prefill[0].delay_s = 0
+            env.decode[0].delay_s = 1.0  # over decode_total_s: 504, nothing left to retry in
+            statuses = [(await env.client.post("/v1/completions", json=GEN)).status
+                        for _ in range(2)]
+            assert sorted(statuses) == [200, 504]
+            rows = await instance_rows(env)
+            for url in (env.urls["p0"], env.urls["d0"]):
+                assert rows[url]["breaker"] == "closed" and rows[url]["healthy"] is True
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_instance_errors_total", instance=env.urls["p0"],
+                          kind="timeout") == 2
+            assert metric(text, "kvdisagg_proxy_instance_errors_total", instance=env.urls["d0"],
+                          kind="timeout") == 1
+    run(t())
+
+
+def test_breaker_of_the_last_decode_does_not_take_the_side_out() -> None:
+    async def t() -> None:
+        async with proxy(breaker=BreakerConfig(failure_threshold=1, open_s=60)) as env:
+            env.decode[0].status = 503
+            assert (await env.client.post("/v1/completions", json=GEN)).status == 502
+            assert (await instance_rows(env))[env.urls["d0"]]["breaker"] == "open"
+            assert (await env.client.get("/readiness")).status == 200
+            env.decode[0].status = 200  # recovered: served at once, not 503 for open_s
+            r = await env.client.post("/v1/completions", json=GEN)
+            assert r.status == 200, await r.text()
+            assert (await instance_rows(env))[env.urls["d0"]]["breaker"] == "closed"
+    run(t())
+
+
+def test_broken_decode_opens_its_breaker_when_another_exists() -> None:
+    async def t() -> None:
+        async with proxy(n_decode=2, breaker=BreakerConfig(failure_threshold=1, open_s=60)) as env:
+            env.decode[0].status = 503
+            for _ in range(5):
+                assert (await env.client.post("/v1/completions", json=GEN)).status == 200
+            assert len(env.decode[0].seen) == 1 and len(env.decode[1].seen) == 5
+            assert (await instance_rows(env))[env.urls["d0"]]["breaker"] == "open"
+        async with proxy(dead_decode=1, breaker=BreakerConfig(failure_threshold=1, open_s=60),
+                         health=HealthConfig(interval_s=60, startup_timeout_s=0.1,
+                                             timeout_s=0.3)) as env:
+            reg = env.client.server.app[REGISTRY]
+            for inst in reg.instances.values():
+                inst.healthy = True  # the refused one too: only its breaker may stop it
+            for _ in range(4):
+                assert (await env.client.post("/v1/completions", json=GEN)).status == 200
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_instance_errors_total", kind="connect") == 1
+            assert len(env.prefill[0].seen) == 4  # a refused connection reuses the handoff
+    run(t())
+
+
+def test_leg_waiting_on_instance_that_turns_unhealthy_fails_over() -> None:
+    async def t() -> None:
+        async with proxy(n_decode=2, timeouts=TimeoutConfig(decode_total_s=30),
+                         health=HealthConfig(interval_s=0.1, timeout_s=0.5,
+                                             failure_threshold=1)) as env:
+            env.decode[0].delay_s = 30
+            t0 = time.monotonic()
+            task = asyncio.create_task(env.client.post("/v1/completions", json=GEN))
+            await asyncio.sleep(0.3)
+            env.decode[0].health_status = 503
+            r = await task
+            assert r.status == 200 and time.monotonic() - t0 < 3, await r.text()
+            assert len(env.decode[1].seen) == 1 and len(env.prefill[0].seen) == 2
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_instance_errors_total", instance=env.urls["d0"],
+                          kind="unhealthy") == 1
+    run(t())
+
+
+def test_leg_on_an_instance_whose_probes_only_time_out_is_not_failed() -> None:
+    """A /health slower than the probe bound (a starved host) takes the instance out of routing
+    but does not fail the legs it is already serving: they are progress."""
+    async def t() -> None:
+        async with proxy(n_decode=2, timeouts=TimeoutConfig(decode_total_s=30),
+                         health=HealthConfig(interval_s=0.1, timeout_s=0.2,
+                                             failure_threshold=1)) as env:
+            env.decode[0].delay_s = 1.0
+            task = asyncio.create_task(env.client.post("/v1/completions", json=GEN))
+            await asyncio.sleep(0.3)
+            env.decode[0].health_delay_s = 5
+            r = await task
+            assert r.status == 200, await r.text()
+            assert len(env.decode[1].seen) == 0 and len(env.prefill[0].seen) == 1
+            reg = env.client.server.app[REGISTRY]
+            assert not reg.instances[env.urls["d0"]].healthy
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_instance_errors_total", instance=env.urls["d0"],
+                          kind="unhealthy") == 0
+    run(t())
+
+
+def test_saturated_proxy_answers_503_with_retry_after_and_counts_it() -> None:
+    async def t() -> None:
+        async with proxy(max_in_flight=2) as env:
+            env.decode[0].delay_s = 0.5
+            rs = await asyncio.gather(*(env.client.post("/v1/completions", json=GEN)
+                                        for _ in range(3)))
+            assert sorted(r.status for r in rs) == [200, 200, 503]
+            shed = next(r for r in rs if r.status == 503)
+            assert shed.headers["Retry-After"] == "1"
+            assert (await shed.json())["error"]["type"] == "service_unavailable"
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_rejected_total", reason="max_in_flight") == 1
+            assert metric(text, "kvdisagg_proxy_requests_total", outcome="shed") == 1
+            assert (await env.client.post("/v1/completions", json=GEN)).status == 200
+    run(t())
+
+
+def test_non_streamed_body_over_1mib_is_read_whole() -> None:
+    """upstream.Response.read() pauses the socket at 1 MiB buffered; it must resume it."""
+    async def t() -> None:
+        async with proxy(timeouts=TimeoutConfig(decode_total_s=3)) as env:
+            env.decode[0].tokens = 300_000  # a ~2.2 MB JSON body
+            r = await env.client.post("/v1/completions", json=GEN)
+            assert r.status == 200, await r.text()
+            text = (await r.json())["choices"][0]["text"]
+            assert len(text) > 2 << 20 and text.endswith("t299999 ")
     run(t())

@@ -21,7 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default 8000)")
     p.add_argument("--timeout", type=float,
-                   help="bound on the prefill leg and on decode silence, seconds (default 60)")
+                   help="bound on the prefill leg and on mid-stream decode silence, seconds "
+                   "(defaults 300 and 60)")
     p.add_argument("--policy", help="policy for both sides (round_robin, least_loaded, "
                    "prefix_aware, slo_aware)")
     p.add_argument("--prefill-policy")
@@ -41,7 +42,7 @@ def config_from_args(args: argparse.Namespace):  # -> ProxyConfig
     import msgspec
 
     from kvdisagg.proxy.app import build_config
-    from kvdisagg.proxy.config import ProxyConfig, load_config_file
+    from kvdisagg.proxy.config import ProxyConfig, instances_from_urls, load_config_file
 
     cfg = load_config_file(args.config) if args.config else ProxyConfig()
     rep = msgspec.structs.replace
@@ -59,13 +60,11 @@ def config_from_args(args: argparse.Namespace):  # -> ProxyConfig
     slo = {k: v for k, v in (("ttft_s", args.slo_ttft), ("tpot_s", args.slo_tpot),
                              ("admission", args.admission)) if v is not None}
     if slo:
-        cfg = msgspec.convert({**msgspec.to_builtins(cfg), "slo": {
-            **msgspec.to_builtins(cfg.slo), **slo}}, ProxyConfig)
+        cfg = rep(cfg, slo=rep(cfg.slo, **slo))  # build_config's validate() converts the enum
     if args.no_decode_only_fallback:
         cfg = rep(cfg, retry=rep(cfg.retry, decode_only_fallback=False))
-    if args.health_interval:
+    if args.health_interval is not None:  # 0 is refused by validate(), not ignored
         cfg = rep(cfg, health=rep(cfg.health, interval_s=args.health_interval))
-    from kvdisagg.proxy.config import instances_from_urls
     extra = instances_from_urls(args.prefill, args.decode, args.both)
     cfg = rep(cfg, instances=[*cfg.instances, *extra])
     return build_config(timeout_s=args.timeout, config=cfg)

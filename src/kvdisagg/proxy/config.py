@@ -2,15 +2,18 @@
 
 The config file and the command line describe the same tree, so every key documented in
 docs/proxy.md is a field here; unknown keys are refused (``forbid_unknown_fields``) so a typo
-fails at start-up instead of silently keeping a default.
+fails at start-up instead of silently keeping a default. Bounds are ``Annotated`` metadata, checked
+by ``msgspec.convert`` when a file is loaded and by ``validate()`` for structs built in code;
+every error names the key (``breaker.open_s: Expected `float` > 0.0, got -1.0``).
 """
 
 from __future__ import annotations
 
 import enum
+import re
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import yaml
@@ -37,12 +40,18 @@ class Admission(str, enum.Enum):
     COLOCATE = "colocate"  # skip prefill, run the whole request on a decode instance
 
 
-class _Base(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=86400)]
+Count = Annotated[int, msgspec.Meta(ge=1, le=1000)]
+
+
+class _Base(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     pass
 
 
 class InstanceSpec(_Base):
     url: str
+    """``http://host:port`` of a vLLM OpenAI server."""
     role: Role
 
     @property
@@ -53,54 +62,83 @@ class InstanceSpec(_Base):
 class HealthConfig(_Base):
     """Active probes plus passive counting; both feed the same hysteresis."""
 
-    interval_s: float = 2.0
-    timeout_s: float = 2.0
-    failure_threshold: int = 2  # consecutive failures before an instance is unhealthy
-    success_threshold: int = 2  # consecutive successes before it is healthy again
-    startup_timeout_s: float = 30.0  # start serving after this even if some URLs are down
-    scrape_metrics: bool = True  # read vLLM's /metrics queue gauges with each probe
+    interval_s: Seconds = 2.0
+    timeout_s: Seconds = 5.0
+    """Bound on one probe. A probe refused or answered with an error shows the instance dead:
+    the legs waiting on it fail over. One that only times out (a starved host) takes the
+    instance out of routing but leaves its legs running."""
+    failure_threshold: Count = 2
+    """Consecutive failed probes before an instance is unhealthy (its waiting legs then fail)."""
+    success_threshold: Count = 2
+    """Consecutive good probes before it is healthy again."""
+    startup_timeout_s: Annotated[float, msgspec.Meta(ge=0, le=86400)] = 30.0
+    """Start serving after this even if some URLs are down."""
+    scrape_metrics: bool = True
+    """Read vLLM's /metrics queue gauges with each probe."""
 
 
 class BreakerConfig(_Base):
-    """Circuit breaker per instance, fed by request outcomes (passive)."""
+    """Circuit breaker per instance, fed by request outcomes (passive).
 
-    failure_threshold: int = 3  # consecutive request failures that open the breaker
-    open_s: float = 5.0  # how long it stays open before one trial request (half-open)
+    Only connection failures and 5xx count: a timeout is load, not breakage. The last
+    instances of a side are never taken out by their breakers (they are routed to anyway).
+    """
+
+    failure_threshold: Count = 3
+    """Consecutive failed legs that open the breaker."""
+    open_s: Seconds = 5.0
+    """How long it stays open before one trial request (half-open)."""
 
 
 class RetryConfig(_Base):
-    prefill_attempts: int = 2  # total prefill tries, each on a different instance
-    decode_attempts: int = 2  # total decode tries before the first byte
-    decode_only_fallback: bool = True  # no healthy prefill -> let decode recompute the prompt
+    prefill_attempts: Count = 2
+    """Total prefill tries, each on a different instance."""
+    decode_attempts: Count = 2
+    """Total decode tries before the first byte reaches the client."""
+    decode_only_fallback: bool = True
+    """No usable prefill: let decode recompute the prompt."""
 
 
 class TimeoutConfig(_Base):
-    prefill_s: float = 60.0  # whole prefill leg
-    decode_connect_s: float = 10.0  # until decode's response headers
-    decode_total_s: float = 600.0  # whole decode leg, stream included
-    decode_idle_s: float = 60.0  # max silence between two stream chunks
+    """Bounds that catch a dead or hung instance, never a slow generation: a request queued
+    behind others is progress, and vLLM sends a non-streamed answer's headers only when the
+    whole generation is done. Liveness between those bounds comes from health probes."""
+
+    prefill_s: Seconds = 300.0
+    """Whole prefill leg, queueing included: a generous bound."""
+    decode_connect_s: Seconds = 10.0
+    """TCP connect to an instance, either leg."""
+    decode_total_s: Seconds = 600.0
+    """Whole decode phase (retries included): headers, a non-streamed body, a stream's first
+    event and the rest of the stream."""
+    decode_idle_s: Seconds = 60.0
+    """Max silence between two stream chunks once the stream has started."""
 
 
 class SloConfig(_Base):
     """Targets for slo_aware and for the goodput metrics; goodput counts requests meeting both."""
 
-    ttft_s: float = 1.0
-    tpot_s: float = 0.1
-    window_s: float = 60.0  # sliding window of the live goodput gauges
+    ttft_s: Seconds = 1.0
+    tpot_s: Seconds = 0.1
+    window_s: Seconds = 60.0
+    """Sliding window of the live goodput gauges."""
     admission: Admission = Admission.QUEUE
 
 
 class PolicyConfig(_Base):
     prefill: str = "round_robin"
     decode: str = "round_robin"
-    prefix_block_chars: int = 256  # prefix_aware: hash the prompt's first N characters
-    prefix_load_slack: int = 4  # prefix_aware: stay sticky while in-flight <= least + slack
-    token_weight: float = 1 / 512  # least_loaded: 512 in-flight tokens weigh one request
+    prefix_block_chars: Annotated[int, msgspec.Meta(ge=1)] = 256
+    """prefix_aware: hash the prompt's first N characters."""
+    prefix_load_slack: Annotated[int, msgspec.Meta(ge=0)] = 4
+    """prefix_aware: stay sticky while in-flight <= least + slack."""
+    token_weight: Annotated[float, msgspec.Meta(ge=0)] = 1 / 512
+    """least_loaded: 512 in-flight tokens weigh one request."""
 
 
 class ProxyConfig(_Base):
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: Port = 8000
     instances: list[InstanceSpec] = msgspec.field(default_factory=list)
     health: HealthConfig = msgspec.field(default_factory=HealthConfig)
     breaker: BreakerConfig = msgspec.field(default_factory=BreakerConfig)
@@ -108,51 +146,71 @@ class ProxyConfig(_Base):
     timeouts: TimeoutConfig = msgspec.field(default_factory=TimeoutConfig)
     slo: SloConfig = msgspec.field(default_factory=SloConfig)
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
-    api_key: str | None = None  # replaces the client's Authorization on upstream legs
-    admin_key: str | None = None  # required as Bearer on /admin/* when set
-    drain_timeout_s: float = 30.0  # shutdown and admin drain wait at most this long
-    max_body_bytes: int = 32 << 20  # larger client bodies get 413
+    api_key: str | None = None
+    """Replaces the client's Authorization on upstream legs."""
+    admin_key: str | None = None
+    """Required as Bearer on /admin/* when set."""
+    drain_timeout_s: Annotated[float, msgspec.Meta(ge=0, le=86400)] = 30.0
+    """Shutdown and admin drain wait at most this long."""
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] = 32 << 20
+    """Larger client bodies get 413."""
+    max_in_flight: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Client requests served at once; more get 503 with Retry-After. 0: no bound (each vLLM
+    instance queues what it cannot run yet, as a single instance would)."""
 
     def validate(self) -> "ProxyConfig":
-        """Check what types cannot; the message says which key and what to do."""
-        for name, value in (("health.interval_s", self.health.interval_s),
-                            ("health.timeout_s", self.health.timeout_s),
-                            ("timeouts.prefill_s", self.timeouts.prefill_s),
-                            ("timeouts.decode_connect_s", self.timeouts.decode_connect_s),
-                            ("timeouts.decode_total_s", self.timeouts.decode_total_s),
-                            ("timeouts.decode_idle_s", self.timeouts.decode_idle_s),
-                            ("slo.ttft_s", self.slo.ttft_s), ("slo.tpot_s", self.slo.tpot_s),
-                            ("slo.window_s", self.slo.window_s)):
-            if not value > 0:
-                raise ConfigError(f"{name} must be > 0, got {value}")
-        for name, value in (("health.failure_threshold", self.health.failure_threshold),
-                            ("health.success_threshold", self.health.success_threshold),
-                            ("breaker.failure_threshold", self.breaker.failure_threshold),
-                            ("retry.prefill_attempts", self.retry.prefill_attempts),
-                            ("retry.decode_attempts", self.retry.decode_attempts),
-                            ("max_body_bytes", self.max_body_bytes)):
-            if value < 1:
-                raise ConfigError(f"{name} must be >= 1 (1 disables retries), got {value}")
+        """The checked config (bounds, types, URLs, policy names); the message names the key.
+
+        Structs built in code skip msgspec's checks, so they are converted once here.
+        """
+        cfg = _convert(msgspec.to_builtins(self), "")
         seen: set[str] = set()
-        for inst in self.instances:
+        for inst in cfg.instances:
             if not inst.url.startswith("http://"):
                 raise ConfigError(f"instance url {inst.url!r} must start with http:// "
                                   "(upstream legs are plain HTTP inside the cluster)")
-            key = inst.url.rstrip("/")
-            if key in seen:
-                raise ConfigError(f"instance {key} is listed twice")
-            seen.add(key)
+            if inst.key in seen:
+                raise ConfigError(f"instance {inst.key} is listed twice")
+            seen.add(inst.key)
         from kvdisagg.proxy.policies import POLICIES
 
-        for side, name in (("prefill", self.policy.prefill), ("decode", self.policy.decode)):
+        for side, name in (("prefill", cfg.policy.prefill), ("decode", cfg.policy.decode)):
             if name not in POLICIES:
                 raise ConfigError(f"policy.{side}: unknown policy {name!r}; "
                                   f"choose one of {sorted(POLICIES)}")
-        return self
+        return cfg
+
+
+_AT = re.compile(r" - at `\$\.?([^`]*)`$")
+
+
+def _convert(raw: Any, where: str) -> ProxyConfig:
+    """msgspec's check, its error rewritten as ``key: what was expected, got value``."""
+    try:
+        return msgspec.convert(raw, ProxyConfig)
+    except msgspec.ValidationError as exc:
+        msg = str(exc)
+        m = _AT.search(msg)
+        if m is None:
+            raise ConfigError(f"{where}{msg}") from None
+        key, value = m.group(1), raw
+        for part in re.findall(r"\w+|\[\d+\]", key):
+            try:
+                value = value[int(part[1:-1])] if part.startswith("[") else value[part]
+            except (KeyError, IndexError, TypeError, ValueError):
+                value = None
+                break
+        shown = isinstance(value, (int, float)) or (isinstance(value, str)
+                                                      and repr(value) not in msg)
+        got = f", got {value!r}" if shown else ""
+        raise ConfigError(f"{where}{key or '(top level)'}: {msg[:m.start()]}{got}") from None
 
 
 def load_config_file(path: str | Path) -> ProxyConfig:
-    """Read a ``.yaml``/``.yml`` or ``.toml`` file into a ProxyConfig (not yet validated)."""
+    """Read a ``.yaml``/``.yml`` or ``.toml`` file into a ProxyConfig.
+
+    Bounds are checked here; ``validate()`` adds the URL and policy checks.
+    """
     path = Path(path)
     try:
         text = path.read_text()
@@ -167,10 +225,7 @@ def load_config_file(path: str | Path) -> ProxyConfig:
             raise ConfigError(f"proxy config {path}: use a .yaml, .yml or .toml file")
     except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"proxy config {path} is not valid: {exc}") from exc
-    try:
-        return msgspec.convert(raw, ProxyConfig)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"proxy config {path}: {exc}") from exc
+    return _convert(raw, f"proxy config {path}: ")
 
 
 def instances_from_urls(prefill: list[str] | None, decode: list[str] | None,

@@ -1,5 +1,11 @@
 """One client request: pick instances, run the prefill leg and the decode leg, with failover.
 
+Timeouts bound a dead instance, not a slow generation: decode waits for headers, a non-streamed
+body or a stream's first event up to ``timeouts.decode_total_s`` (vLLM sends a non-streamed
+answer's headers only when generation is done), and health probes are the liveness check in
+between (``registry.py`` fails the legs waiting on an instance that turns unhealthy). Breakers
+count refused connections and 5xx, never timeouts (``Outcome``).
+
 Failure rules (each retry bounded by ``retry.*`` and logged):
 - prefill 5xx/429, connect error or timeout: retry on another prefill instance; when all tries
   fail or no prefill is healthy, serve decode-only (decode recomputes the prompt) if
@@ -8,7 +14,8 @@ Failure rules (each retry bounded by ``retry.*`` and logged):
   (``kvdisagg_proxy_missing_kv_transfer_params_total``), retried on another prefill, never
   a silent re-prefill on decode; if every try lacks them the client gets 502;
 - prefill or decode 4xx: the client's request is bad; relayed as is, no retry;
-- decode failure before the first byte: retry on another decode; a refused connection reuses
+- decode failure before the first byte: retry on another decode while ``decode_total_s`` (which
+  bounds the decode phase, retries included) lasts; a refused connection reuses
   the handoff (decode never saw it), anything else re-prefills first (the KV may be gone);
   a stream whose first event is an error (vLLM's answer to a failed KV load) counts as failing
   before the first byte, since the client has seen nothing yet; with no other decode, one that
@@ -16,7 +23,9 @@ Failure rules (each retry bounded by ``retry.*`` and logged):
   a 500 or error event after a handoff does not open its breaker;
 - decode failure mid-stream: an error event then ``[DONE]`` ends the stream;
 - client disconnect: the handler is cancelled and the upstream connection aborted, which
-  makes vLLM abort the request and free its blocks.
+  makes vLLM abort the request and free its blocks;
+- turned away before any leg (``max_in_flight`` reached, slo_aware shedding, nothing routable,
+  shutting down): 429/503 with ``Retry-After``, counted in ``kvdisagg_proxy_rejected_total``.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import re
 import time
 import uuid
@@ -36,8 +46,9 @@ from kvdisagg.proxy.config import Admission, ProxyConfig
 from kvdisagg.proxy.errors import error_body, error_event, error_response
 from kvdisagg.proxy.metrics import Metrics
 from kvdisagg.proxy.policies import Policy, Side, Verdict
-from kvdisagg.proxy.registry import Instance, Registry
-from kvdisagg.proxy.upstream import ConnectError, Response, UpstreamError, UpstreamTimeout
+from kvdisagg.proxy.registry import Instance, Outcome, Registry
+from kvdisagg.proxy.upstream import (Abandoned, ConnectError, Response, UpstreamError,
+                                     UpstreamTimeout)
 
 log = logging.getLogger("kvdisagg.proxy")
 
@@ -51,7 +62,7 @@ _ERROR_EVENT = b'data: {"error"'  # vLLM's streamed error, e.g. after a failed K
 class LegFailure(NamedTuple):
     """Why a leg failed; ``client_error`` responses go back to the client unchanged."""
 
-    kind: str  # connect | timeout | status | missing_kv_params | stream
+    kind: str  # connect | timeout | unhealthy | status | missing_kv_params | stream | error_event
     message: str
     status: int  # what the client gets if this is the last word
     client_error: web.Response | None = None
@@ -68,7 +79,23 @@ def _kind(exc: UpstreamError) -> str:
         return "connect"
     if isinstance(exc, UpstreamTimeout):
         return "timeout"
+    if isinstance(exc, Abandoned):
+        return "unhealthy"
     return "stream"
+
+
+def _failure(exc: UpstreamError, message: str) -> LegFailure:
+    timeout = isinstance(exc, UpstreamTimeout)
+    return LegFailure(_kind(exc), message, 504 if timeout else 502, sent=exc.sent)
+
+
+def _outcome(exc: UpstreamError) -> Outcome:
+    """A timeout is load (the instance may be busy with others' work), not breakage."""
+    return Outcome.NEUTRAL if isinstance(exc, UpstreamTimeout) else Outcome.BROKEN
+
+
+def _status_outcome(status: int) -> Outcome:
+    return Outcome.NEUTRAL if status in _RETRYABLE else Outcome.BROKEN
 
 
 class Handoff:
@@ -100,8 +127,14 @@ class Handoff:
         endpoint = "chat" if chat else "completions"
         if self.shutting_down:  # a kept-alive client after the listener closed: go elsewhere
             m.request_done(endpoint, "shed")
-            return error_response(503, "proxy is shutting down", "service_unavailable",
-                                  {"Connection": "close", "Retry-After": "1"})
+            resp = self._reject(503, "shutting_down", "proxy is shutting down")
+            resp.headers["Connection"] = "close"
+            return resp
+        limit = self.cfg.max_in_flight
+        if limit and m.in_flight >= limit:
+            m.request_done(endpoint, "shed")
+            return self._reject(503, "max_in_flight", f"proxy is serving its max_in_flight "
+                                f"({limit}) requests; retry shortly")
         t0 = _now()
         m.in_flight += 1
         self.idle.clear()
@@ -120,6 +153,13 @@ class Handoff:
             m.request_done(endpoint, outcome)
             if not m.in_flight:
                 self.idle.set()
+
+    def _reject(self, status: int, reason: str, message: str,
+                type_: str = "service_unavailable", retry_after_s: float = 1.0) -> web.Response:
+        """Turned away before any leg: counted by reason, with a Retry-After to come back."""
+        self.metrics.rejected(reason)
+        return error_response(status, message, type_,
+                              {"Retry-After": str(max(1, math.ceil(retry_after_s)))})
 
     async def _serve(self, request: web.Request, chat: bool,
                      t0: float) -> tuple[web.StreamResponse, str]:
@@ -147,7 +187,7 @@ class Handoff:
                        rid: str) -> Prefilled | web.Response:
         cfg, reg = self.cfg, self.registry
         tried: list[Instance] = []
-        failures: list[str] = []
+        failures: list[LegFailure] = []
         missing_kv = False
         pbody: bytes | None = None
         for attempt in range(cfg.retry.prefill_attempts):
@@ -158,10 +198,10 @@ class Handoff:
                 break
             if sel.verdict is Verdict.SLO_MISS and attempt == 0:
                 if cfg.slo.admission == Admission.SHED:
-                    return error_response(
-                        429, f"no prefill instance is predicted to meet the TTFT SLO "
-                        f"(best {inst.url}: {sel.predicted_s:.3f}s > {cfg.slo.ttft_s}s)",
-                        "rate_limit_exceeded", {"Retry-After": "1"})
+                    return self._reject(
+                        429, "slo_ttft", f"no prefill instance is predicted to meet the TTFT "
+                        f"SLO (best {inst.url}: {sel.predicted_s:.3f}s > {cfg.slo.ttft_s}s)",
+                        "rate_limit_exceeded")
                 if cfg.slo.admission == Admission.COLOCATE:
                     self.metrics.served_decode_only("colocate")
                     return Prefilled(None, "decode_only:colocate")
@@ -176,7 +216,7 @@ class Handoff:
                 return res.client_error
             self.metrics.leg_error(inst.url, Side.PREFILL, res.kind)
             missing_kv |= res.kind == "missing_kv_params"
-            failures.append(res.message)
+            failures.append(res)
             tried.append(inst)
             log.warning("request %s: prefill attempt %d/%d failed: %s", rid, attempt + 1,
                         cfg.retry.prefill_attempts, res.message)
@@ -186,19 +226,24 @@ class Handoff:
             self.metrics.served_decode_only(reason)
             return Prefilled(None, f"decode_only:{reason}")
         if not failures:
-            return error_response(503, "no healthy prefill instance (and decode-only fallback "
-                                  "is off: retry.decode_only_fallback)", "service_unavailable")
-        status = 502 if missing_kv else 504 if all("timed out" in f or "within" in f
-                                                   for f in failures) else 502
-        return error_response(status, "prefill failed: " + "; ".join(failures), "upstream_error")
+            return self._reject(503, "no_healthy_prefill", "no healthy prefill instance (and "
+                                "decode-only fallback is off: retry.decode_only_fallback)",
+                                retry_after_s=cfg.health.interval_s)
+        status = 504 if not missing_kv and all(f.status == 504 for f in failures) else 502
+        return error_response(status, "prefill failed: " + "; ".join(f.message for f in failures),
+                              "upstream_error")
 
     async def _prefill_leg(self, inst: Instance, path: str, pbody: bytes, headers: bytes,
                            tokens: int) -> bytes | LegFailure:
-        """kv_transfer_params (raw JSON) from one prefill instance, or why not."""
+        """kv_transfer_params (raw JSON) from one prefill instance, or why not.
+
+        ``prefill_s`` bounds the leg, queueing behind other prefills included; headers come
+        only when the prefill is done, so there is no shorter bound that is not a guess.
+        """
         t = self.cfg.timeouts
         start = _now()
         inst.start(Side.PREFILL, tokens)
-        ok: bool | None = False
+        outcome = Outcome.BROKEN
         try:
             resp = await inst.pool.request(b"POST", path, pbody, headers,
                                            connect_s=min(t.decode_connect_s, t.prefill_s),
@@ -212,24 +257,25 @@ class Handoff:
                     return LegFailure("missing_kv_params",
                                       f"prefill {inst.url} returned no kv_transfer_params (is it "
                                       "running with a kv_producer KV connector?)", 502)
-                ok = True
+                outcome = Outcome.OK
                 elapsed = _now() - start
                 inst.observe_prefill(elapsed, tokens)
                 self.metrics.handoff.observe(elapsed)
                 return kv
             msg = f"prefill {inst.url} returned {status}: {data[:300].decode('utf-8', 'replace')}"
             if 400 <= status < 500 and status not in _RETRYABLE:
-                ok = True  # the instance is fine; the request is not
+                outcome = Outcome.OK  # the instance is fine; the request is not
                 return LegFailure("status", msg, status, _relay_error(status, data, msg))
+            outcome = _status_outcome(status)
             return LegFailure("status", msg, 502)
         except UpstreamError as exc:
-            return LegFailure(_kind(exc), f"prefill {inst.url}: {exc}",
-                              504 if isinstance(exc, UpstreamTimeout) else 502, sent=exc.sent)
+            outcome = _outcome(exc)
+            return _failure(exc, f"prefill {inst.url}: {exc}")
         except asyncio.CancelledError:
-            ok = None
+            outcome = Outcome.CANCELLED
             raise
         finally:
-            inst.finish(Side.PREFILL, tokens, ok)
+            inst.finish(Side.PREFILL, tokens, outcome)
 
     # decode
     async def _decode(self, request: web.Request, body: bodies.ClientBody, path: str,
@@ -238,10 +284,14 @@ class Handoff:
         cfg, reg, m = self.cfg, self.registry, self.metrics
         t = cfg.timeouts
         tokens = body.route.max_tokens
+        deadline = _now() + t.decode_total_s  # the decode phase, retries included
         tried: list[Instance] = []
         answered: list[Instance] = []  # failed with an HTTP answer: alive, may take a retry
-        failures: list[str] = []
+        failures: list[LegFailure] = []
         for attempt in range(cfg.retry.decode_attempts):
+            left = deadline - _now()
+            if left <= 0:
+                break
             cands = reg.candidates(Side.DECODE, tuple(tried))
             if not cands and answered:
                 # No other decode: one that answered with an error (typically a KV load that
@@ -253,88 +303,91 @@ class Handoff:
                 break
             if (sel.verdict is Verdict.SLO_MISS and attempt == 0
                     and cfg.slo.admission == Admission.SHED):
-                return error_response(
-                    429, f"no decode instance is predicted to meet the TPOT SLO "
+                return self._reject(
+                    429, "slo_tpot", f"no decode instance is predicted to meet the TPOT SLO "
                     f"(best {inst.url}: {sel.predicted_s:.4f}s > {cfg.slo.tpot_s}s)",
-                    "rate_limit_exceeded", {"Retry-After": "1"}), "shed"
+                    "rate_limit_exceeded"), "shed"
             if tried:
                 tried[-1].retries[Side.DECODE] += 1
             dbody = bodies.decode_body(body, pre.kv)
             inst.start(Side.DECODE, tokens)
             try:
+                # Headers may come only when generation is done (vLLM, not streamed).
                 resp = await inst.pool.request(b"POST", path, dbody, headers,
-                                               connect_s=t.decode_connect_s,
-                                               headers_s=t.decode_connect_s)
+                                               connect_s=min(t.decode_connect_s, left),
+                                               headers_s=left)
             except UpstreamError as exc:
-                inst.finish(Side.DECODE, tokens, False)
+                inst.finish(Side.DECODE, tokens, _outcome(exc))
                 m.leg_error(inst.url, Side.DECODE, _kind(exc))
-                failure = f"decode {inst.url}: {exc}"
+                failure = _failure(exc, f"decode {inst.url}: {exc}")
                 reprefill = exc.sent  # a refused connection: decode never saw the handoff
             except asyncio.CancelledError:
-                inst.finish(Side.DECODE, tokens, None)
+                inst.finish(Side.DECODE, tokens, Outcome.CANCELLED)
                 raise
             else:
                 if resp.status >= 500 or resp.status in _RETRYABLE:
                     try:
-                        data = await resp.read(t.decode_connect_s)
+                        data = await resp.read(max(0.001, min(t.decode_idle_s,
+                                                              deadline - _now())))
                     except UpstreamError:
                         data = b""
                     # vLLM answers 500 to a failed KV load, which may be the prefill's fault:
                     # counted, but not held against this decode's breaker.
                     neutral = resp.status == 500 and pre.kv is not None
-                    inst.finish(Side.DECODE, tokens, None if neutral else False)
-                    inst.errors[Side.DECODE] += neutral
+                    inst.finish(Side.DECODE, tokens,
+                                Outcome.NEUTRAL if neutral else _status_outcome(resp.status))
                     m.leg_error(inst.url, Side.DECODE, "status")
-                    failure = (f"decode {inst.url} returned {resp.status}: "
-                               f"{data[:300].decode('utf-8', 'replace')}")
+                    failure = LegFailure("status", f"decode {inst.url} returned {resp.status}: "
+                                         f"{data[:300].decode('utf-8', 'replace')}", 502)
                 else:
-                    relayed = await self._relay(request, body, resp, inst, rid, pre, t0)
-                    if not isinstance(relayed, str):
+                    relayed = await self._relay(request, body, resp, inst, rid, pre, t0, deadline)
+                    if not isinstance(relayed, LegFailure):
                         return relayed
-                    failure = relayed  # an error event before any token: nothing sent yet
+                    failure = relayed  # nothing reached the client yet
                 answered.append(inst)
                 reprefill = True
             failures.append(failure)
             tried.append(inst)
             log.warning("request %s: decode attempt %d/%d failed: %s", rid, attempt + 1,
-                        cfg.retry.decode_attempts, failure)
-            if reprefill and pre.kv is not None and attempt + 1 < cfg.retry.decode_attempts:
+                        cfg.retry.decode_attempts, failure.message)
+            if (reprefill and pre.kv is not None and attempt + 1 < cfg.retry.decode_attempts
+                    and deadline > _now()):
                 again = await self._prefill(body, path, headers, rid)
                 if isinstance(again, web.Response):
                     return again, "error"
                 pre = again
         if not failures:
-            return error_response(503, "no healthy decode instance", "service_unavailable"), "error"
-        status = 504 if all("timed out" in f or "within" in f for f in failures) else 502
-        return error_response(status, "decode failed: " + "; ".join(failures),
+            return self._reject(503, "no_healthy_decode", "no healthy decode instance",
+                                retry_after_s=cfg.health.interval_s), "error"
+        status = 504 if all(f.status == 504 for f in failures) else 502
+        return error_response(status, "decode failed: " + "; ".join(f.message for f in failures),
                               "upstream_error"), "error"
 
     async def _relay(self, request: web.Request, body: bodies.ClientBody, resp: Response,
-                     inst: Instance, rid: str, pre: Prefilled,
-                     t0: float) -> tuple[web.StreamResponse, str] | str:
+                     inst: Instance, rid: str, pre: Prefilled, t0: float,
+                     deadline: float) -> tuple[web.StreamResponse, str] | LegFailure:
         """Pass decode's answer to the client byte for byte, timing it on the way.
 
-        A stream whose first event is an error (vLLM's answer to a failed KV load) or that
-        breaks before its first byte is not relayed: the failure (a message) goes back to
-        ``_decode``, which may retry, since the client has seen nothing yet.
+        Until the client has seen a byte, a failure goes back to ``_decode`` (which may retry):
+        a non-streamed body that breaks, a stream that breaks before its first event or whose
+        first event is an error (vLLM's answer to a failed KV load). The whole body, or a
+        stream's first event, may take as long as generation: only ``deadline`` bounds it.
         """
         t, m = self.cfg.timeouts, self.metrics
         tokens = body.route.max_tokens
         ctype = (resp.header(b"content-type") or b"application/json").decode("latin-1")
         out_headers = {"Content-Type": ctype, "X-Request-Id": rid, "X-Kvdisagg-Handoff": pre.mode}
-        ok: bool | None = False
         if not body.stream or not 200 <= resp.status < 300:
             try:
-                data = await resp.read(t.decode_total_s)
+                data = await resp.read(max(0.001, deadline - _now()))
             except UpstreamError as exc:
-                inst.finish(Side.DECODE, tokens, False)
+                inst.finish(Side.DECODE, tokens, _outcome(exc))
                 m.leg_error(inst.url, Side.DECODE, _kind(exc))
-                return error_response(504 if isinstance(exc, UpstreamTimeout) else 502,
-                                      f"decode {inst.url}: {exc}", "upstream_error"), "error"
+                return _failure(exc, f"decode {inst.url}: {exc}")
             except asyncio.CancelledError:
-                inst.finish(Side.DECODE, tokens, None)
+                inst.finish(Side.DECODE, tokens, Outcome.CANCELLED)
                 raise
-            inst.finish(Side.DECODE, tokens, True)
+            inst.finish(Side.DECODE, tokens, Outcome.OK)
             if 200 <= resp.status < 300:
                 e2e = _now() - t0
                 m.e2e.observe(e2e)
@@ -342,25 +395,24 @@ class Handoff:
             return (web.Response(body=data, status=resp.status, headers=out_headers),
                     "ok" if resp.status < 400 else "error")
 
-        total_deadline = _now() + t.decode_total_s
         try:
-            head = await resp.next_chunk(t.decode_idle_s)
+            head = await resp.next_chunk(max(0.001, deadline - _now()))
         except UpstreamError as exc:
-            inst.finish(Side.DECODE, tokens, False)
+            inst.finish(Side.DECODE, tokens, _outcome(exc))
             m.leg_error(inst.url, Side.DECODE, _kind(exc))
-            return f"decode {inst.url} failed before the first event: {exc}"
+            return _failure(exc, f"decode {inst.url} failed before the first event: {exc}")
         except asyncio.CancelledError:
-            inst.finish(Side.DECODE, tokens, None)
+            inst.finish(Side.DECODE, tokens, Outcome.CANCELLED)
             raise
         if head is not None and head.startswith(_ERROR_EVENT):
             resp.close()
             # After a handoff the KV source may be at fault (a dead prefill): count the
             # error, but do not open this decode's breaker for it.
-            inst.finish(Side.DECODE, tokens, False if pre.kv is None else None)
-            inst.errors[Side.DECODE] += pre.kv is not None
+            inst.finish(Side.DECODE, tokens,
+                        Outcome.BROKEN if pre.kv is None else Outcome.NEUTRAL)
             m.leg_error(inst.url, Side.DECODE, "error_event")
-            return (f"decode {inst.url} answered with an error event: "
-                    f"{head[6:300].decode('utf-8', 'replace').strip()}")
+            return LegFailure("error_event", f"decode {inst.url} answered with an error event: "
+                              f"{head[6:300].decode('utf-8', 'replace').strip()}", 502)
         out = _Stream(status=resp.status, headers=out_headers)
         out.headers["Cache-Control"] = "no-cache"
         chunked = request.version >= (1, 1)
@@ -368,7 +420,7 @@ class Handoff:
             out.enable_chunked_encoding()
         first = _now()
         stats = [0, first]  # SSE events seen, time of the last one
-        outcome = "error"
+        outcome, leg = "error", Outcome.BROKEN
         try:
             await out.prepare(request)
             try:
@@ -396,24 +448,23 @@ class Handoff:
 
                     # request.writer.drain() waits until the client's transport drains
                     await resp.relay(sink, request.writer.drain, t.decode_idle_s,
-                                     max(0.001, total_deadline - _now()))
-                ok = True
-                outcome = "ok"
+                                     max(0.001, deadline - _now()))
+                outcome, leg = "ok", Outcome.OK
             except UpstreamError as exc:
-                m.leg_error(inst.url, Side.DECODE, "timeout" if isinstance(exc, UpstreamTimeout)
-                            else "stream")
+                leg = _outcome(exc)
+                m.leg_error(inst.url, Side.DECODE, _kind(exc))
                 log.warning("request %s: decode %s failed mid-stream: %s", rid, inst.url, exc)
                 await out.write(error_event(504 if isinstance(exc, UpstreamTimeout) else 502,
                                             f"decode {inst.url} failed mid-stream: {exc}"))
             await out.write_eof()
         except (asyncio.CancelledError, ConnectionResetError):
-            ok = None
+            leg = Outcome.CANCELLED
             resp.close()
             raise
         finally:
-            inst.finish(Side.DECODE, tokens, ok)
+            inst.finish(Side.DECODE, tokens, leg)
         events, last = stats
-        if ok:
+        if leg is Outcome.OK:
             e2e = _now() - t0
             m.e2e.observe(e2e)
             ttft = (first or _now()) - t0

@@ -66,6 +66,7 @@ class Metrics:
         self.errors: dict[tuple[str, str, str], int] = {}
         self.missing_kv: dict[str, int] = {}
         self.decode_only: dict[str, int] = {}
+        self.rejections: dict[str, int] = {}
         self.ttft = Histogram(P + "ttft_seconds", "Time to first token (streaming).",
                               LATENCY_BUCKETS)
         self.tpot = Histogram(P + "tpot_seconds", "Mean time per output token after the first.",
@@ -92,6 +93,9 @@ class Metrics:
 
     def served_decode_only(self, reason: str) -> None:
         self.decode_only[reason] = self.decode_only.get(reason, 0) + 1
+
+    def rejected(self, reason: str) -> None:
+        self.rejections[reason] = self.rejections.get(reason, 0) + 1
 
     def judge(self, decode_url: str, e2e: float, ttft: float | None, tpot: float | None,
               completion_tokens: int | None) -> bool:
@@ -162,6 +166,10 @@ class Metrics:
         add(f"# TYPE {P}decode_only_total counter\n")
         for reason, n in sorted(self.decode_only.items()):
             add(f"{P}decode_only_total{_labels(reason=reason)} {n}\n")
+        add(f"# HELP {P}rejected_total Requests turned away before any leg, with Retry-After.\n"
+            f"# TYPE {P}rejected_total counter\n")
+        for reason, n in sorted(self.rejections.items()):
+            add(f"{P}rejected_total{_labels(reason=reason)} {n}\n")
         for h in (self.ttft, self.tpot, self.e2e, self.handoff):
             h.render(out)
         add(f"# TYPE {P}slo_requests_total counter\n{P}slo_requests_total {self.slo_requests}\n")

@@ -3,9 +3,13 @@
 Health has two halves. Active probes (``GET /health`` every ``health.interval_s``, bounded by
 ``health.timeout_s``) flip an instance only after ``failure_threshold`` consecutive failures or
 ``success_threshold`` consecutive successes, so one blip doesn't flap routing. Passive request
-outcomes feed a circuit breaker per instance. A candidate is ACTIVE, healthy and breaker-closed
-(or half-open with its trial free). The same probe scrapes vLLM's ``/metrics`` queue gauges that
-``least_loaded`` and ``slo_aware`` read.
+outcomes feed a circuit breaker per instance; only breakage counts (``Outcome``), never
+slowness. A candidate is ACTIVE, healthy and breaker-closed (or half-open with its trial free);
+when the breakers would leave a side with no candidate, its healthy instances are candidates
+anyway (a breaker must not turn a fleet off). Probes are also the liveness check of legs waiting
+for an answer: an instance that turns unhealthy has those legs failed at once, so they fail over
+instead of waiting out their deadline. The same probe scrapes vLLM's ``/metrics`` queue gauges
+that ``least_loaded`` and ``slo_aware`` read.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import msgspec
 from kvdisagg.proxy.breaker import BreakerState, CircuitBreaker
 from kvdisagg.proxy.config import InstanceSpec, ProxyConfig, Role
 from kvdisagg.proxy.policies import Side
-from kvdisagg.proxy.upstream import Pool, UpstreamError
+from kvdisagg.proxy.upstream import Pool, UpstreamError, UpstreamTimeout
 
 log = logging.getLogger("kvdisagg.proxy")
 
@@ -31,6 +35,16 @@ class State(str, enum.Enum):
     ACTIVE = "active"
     DRAINING = "draining"  # no new work; in-flight legs finish
     REMOVED = "removed"
+
+
+class Outcome(enum.Enum):
+    """How one upstream leg ended, as its instance's counters and breaker see it."""
+
+    OK = "ok"  # closes the breaker
+    BROKEN = "broken"  # refused connection, 5xx, broken stream: counts toward opening it
+    NEUTRAL = "neutral"  # an error that says nothing about the instance: a timeout under
+    #                      load, 429, a KV load that failed because its prefill died
+    CANCELLED = "cancelled"  # the client went away: not an error at all
 
 
 class InstanceInfo(msgspec.Struct, kw_only=True):
@@ -65,6 +79,7 @@ class Instance:
         self.ok_streak = 0
         self.fail_streak = 0
         self.last_probe_error: str | None = "not probed yet"
+        self.last_probe_dead = False
         self.breaker = CircuitBreaker(self.url, cfg.breaker.failure_threshold, cfg.breaker.open_s)
         self._in_flight = {Side.PREFILL: 0, Side.DECODE: 0}
         self._tokens = {Side.PREFILL: 0, Side.DECODE: 0}
@@ -95,16 +110,16 @@ class Instance:
         self.breaker.on_start()
         self.idle.clear()
 
-    def finish(self, side: Side, tokens: int, ok: bool | None) -> None:
-        """``ok`` None: the client went away; says nothing about the instance."""
+    def finish(self, side: Side, tokens: int, outcome: Outcome) -> None:
         self._in_flight[side] -= 1
         self._tokens[side] -= tokens
-        if ok is True:
+        if outcome is Outcome.OK:
             self.breaker.on_success()
-        elif ok is False:
+        elif outcome is Outcome.BROKEN:
             self.errors[side] += 1
             self.breaker.on_failure()
         else:
+            self.errors[side] += outcome is Outcome.NEUTRAL
             self.breaker.trial_in_flight = False
         if not self._in_flight[Side.PREFILL] and not self._in_flight[Side.DECODE]:
             self.idle.set()
@@ -145,9 +160,12 @@ class Instance:
             prefill_s_per_token=self.prefill_s_per_token, tpot_s=self.tpot_s)
 
     # active probes
-    def probe_result(self, ok: bool, error: str | None, cfg: ProxyConfig) -> None:
-        """Hysteresis; the very first result sets the state directly (start-up is not delayed)."""
-        self.last_probe_error = error
+    def probe_result(self, ok: bool, error: str | None, cfg: ProxyConfig,
+                     dead: bool = True) -> None:
+        """Hysteresis; the very first result sets the state directly (start-up is not delayed).
+        ``dead``: the failure shows the instance gone (refused, reset, an error status), not
+        merely slow; only then do legs already waiting on it fail over."""
+        self.last_probe_error, self.last_probe_dead = error, dead and not ok
         if ok:
             self.ok_streak += 1
             self.fail_streak = 0
@@ -170,6 +188,8 @@ class Instance:
         self.healthy = healthy
         if healthy:
             self.breaker.reset()
+        elif self.last_probe_dead:  # a slow instance still answers the legs it has
+            self.pool.fail_waiting(f"{self.url} turned unhealthy ({self.last_probe_error})")
 
 
 def parse_vllm_queue(text: bytes) -> tuple[float, float]:
@@ -253,26 +273,35 @@ class Registry:
         return m
 
     def candidates(self, side: Side, exclude: tuple[Instance, ...] = ()) -> list[Instance]:
-        return [i for i in self.members(side) if i.routable and i not in exclude]
+        """Routable instances of ``side``; if breakers alone leave none, the healthy ones."""
+        live = [i for i in self.members(side) if i.healthy]
+        cands = [i for i in live if i.breaker.can_execute()] or live
+        return [i for i in cands if i not in exclude]
 
     # probes
     async def probe(self, inst: Instance) -> None:
         cfg = self.cfg.health
+        dead = False
         try:
             resp = await inst.pool.request(b"GET", "/health", connect_s=cfg.timeout_s,
                                            headers_s=cfg.timeout_s)
             await resp.read(cfg.timeout_s)
             ok = resp.status == 200
-            error = None if ok else f"/health returned {resp.status}"
-            if ok and cfg.scrape_metrics:
+            error, dead = (None, False) if ok else (f"/health returned {resp.status}", True)
+        except UpstreamTimeout as exc:  # slow (a starved host): not known dead
+            ok, error = False, f"/health: {exc}"
+        except UpstreamError as exc:  # refused, reset: the process is gone
+            ok, error, dead = False, f"/health: {exc}", True
+        if ok and cfg.scrape_metrics:  # load gauges only: a slow /metrics is not a failure
+            try:
                 resp = await inst.pool.request(b"GET", "/metrics", connect_s=cfg.timeout_s,
                                                headers_s=cfg.timeout_s)
                 text = await resp.read(cfg.timeout_s)
                 if resp.status == 200:
                     inst.vllm_waiting, inst.vllm_running = parse_vllm_queue(text)
-        except UpstreamError as exc:
-            ok, error = False, f"/health: {exc}"
-        inst.probe_result(ok, error, self.cfg)
+            except UpstreamError:
+                pass
+        inst.probe_result(ok, error, self.cfg, dead=dead)
 
     async def probe_all(self) -> None:
         insts = list(self.instances.values())

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["UpstreamError", "ConnectError", "UpstreamTimeout", "Response", "Pool"]
+__all__ = ["UpstreamError", "ConnectError", "UpstreamTimeout", "Abandoned", "Response", "Pool"]
 
 _PAUSE_AT = 1 << 20  # bytes buffered before we stop reading the upstream socket
 
@@ -39,6 +39,10 @@ class ConnectError(UpstreamError):
 
 class UpstreamTimeout(UpstreamError):
     pass
+
+
+class Abandoned(UpstreamError):
+    """The pool's owner gave up waiting (``Pool.fail_waiting``), e.g. its health probes failed."""
 
 
 class _Conn(asyncio.Protocol):
@@ -92,6 +96,7 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.pool._busy.discard(self)
         if not self.done:
             what = "before responding" if not self.got_bytes else "mid-response"
             self._fail(UpstreamError(f"connection closed {what}", sent=True))
@@ -160,8 +165,15 @@ class _Conn(asyncio.Protocol):
     def abort(self) -> None:
         self.done = True
         self.closed = True
+        self.pool._busy.discard(self)
         if self.transport is not None:
             self.transport.abort()
+
+    def resume(self) -> None:
+        """Read the socket again after ``data_received`` paused it (1 MiB buffered)."""
+        if self.paused and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
 
 
 def _expire(w: asyncio.Future[None]) -> None:
@@ -192,7 +204,15 @@ class Response:
         c = self._conn
         loop = c.pool.loop
         deadline = loop.time() + timeout
-        while not c.done:
+        parts: list[bytes] = []
+        while True:
+            # Taken out of the buffer, so reading (paused past 1 MiB) goes on: read() wants it all.
+            parts += c.chunks
+            c.chunks.clear()
+            c.buffered = 0
+            c.resume()
+            if c.done:
+                break
             left = deadline - loop.time()
             if left <= 0:
                 self.close()
@@ -202,10 +222,11 @@ class Response:
             except TimeoutError:
                 self.close()
                 raise UpstreamTimeout(f"body not complete after {timeout:.1f}s") from None
-        data = b"".join(c.chunks)
-        c.chunks.clear()
+        if c.error is not None:
+            self.close()
+            raise c.error
         self._release()
-        return data
+        return b"".join(parts)
 
     async def iter_chunks(self, idle_s: float, total_s: float) -> AsyncIterator[bytes]:
         """Body chunks as they arrive; silence over ``idle_s`` or a total over ``total_s`` fails.
@@ -225,9 +246,8 @@ class Response:
                         chunk = b"".join(c.chunks)
                         c.chunks.clear()
                     c.buffered -= len(chunk)
-                    if c.paused and c.buffered < _PAUSE_AT // 2 and c.transport is not None:
-                        c.paused = False
-                        c.transport.resume_reading()
+                    if c.buffered < _PAUSE_AT // 2:
+                        c.resume()
                     yield chunk
                 if c.done:
                     if c.error is not None:
@@ -267,9 +287,7 @@ class Response:
         chunk = c.chunks.popleft() if len(c.chunks) == 1 else b"".join(c.chunks)
         c.chunks.clear()
         c.buffered = 0
-        if c.paused and c.transport is not None:
-            c.paused = False
-            c.transport.resume_reading()
+        c.resume()
         return chunk
 
     async def relay(self, sink: Callable[[bytes], bool], drain: Callable[[], Awaitable[None]],
@@ -359,10 +377,12 @@ class Pool:
         self._host_header = f"Host: {parts.netloc}\r\n".encode()
         self.max_idle = max_idle
         self._idle: list[_Conn] = []
+        self._busy: set[_Conn] = set()  # connections with a request on them
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set on use
         self._closed = False
 
     def _put(self, conn: _Conn) -> None:
+        self._busy.discard(conn)
         if (conn.closed or not conn.keep_alive or conn.error is not None or self._closed
                 or len(self._idle) >= self.max_idle):
             conn.abort()
@@ -407,6 +427,7 @@ class Pool:
             if conn is None:
                 conn = await self._connect(connect_s)
             assert conn.transport is not None
+            self._busy.add(conn)
             conn.transport.write(head + body if len(body) < 65536 else head)
             if len(body) >= 65536:
                 conn.transport.write(body)
@@ -416,12 +437,24 @@ class Pool:
             except TimeoutError:
                 conn.abort()
                 raise UpstreamTimeout(f"no response headers within {headers_s:.1f}s") from None
-            except UpstreamError:
-                if reused and not conn.got_bytes and attempt == 0:
+            except UpstreamError as exc:
+                if (reused and not conn.got_bytes and attempt == 0
+                        and not isinstance(exc, Abandoned)):
                     continue  # stale keep-alive connection; the server never read it
                 raise
             return Response(conn)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def fail_waiting(self, reason: str) -> int:
+        """Fail every request still waiting for its answer with ``Abandoned(reason)``.
+
+        Streams already being relayed (they have their own idle bound) are left alone; so are
+        finished bodies. Returns how many were failed.
+        """
+        waiting = [c for c in self._busy if c.sink is None and not c.done]
+        for c in waiting:
+            c._fail(Abandoned(reason))
+        return len(waiting)
 
     def close(self) -> None:
         self._closed = True

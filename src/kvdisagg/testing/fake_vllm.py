@@ -35,6 +35,7 @@ class FakeVllm:
         self.token_delay_s = 0.0  # streaming: pause before each token event (bench tests)
         self.use_max_tokens = False  # stream the request's max_tokens events, not ``tokens``
         self.health_status = 200
+        self.health_delay_s = 0.0  # a slow /health (a starved host), not a dead one
         self.kv_load_failures = 0  # the next N decode legs with KV fail as vLLM does (policy fail)
         self.seen: list[dict[str, Any]] = []
         self.aborted = 0  # requests whose client (the proxy) went away before the end
@@ -118,6 +119,7 @@ class FakeVllm:
         return resp
 
     async def health(self, _request: web.Request) -> web.Response:
+        await asyncio.sleep(self.health_delay_s)
         return web.Response(status=self.health_status, text="")
 
     async def metrics(self, _request: web.Request) -> web.Response:
