@@ -118,7 +118,13 @@ class DisaggScheduler:
         if request.request_id in self._pulled:
             return 0, False
         if self.is_consumer and params and params.get("do_remote_prefill"):
-            count = request.num_prompt_tokens - num_computed_tokens
+            # Never claim past what prefill computed (a handoff of another, shorter prompt);
+            # bad types are refused when the load is planned.
+            remote = params.get("remote_num_tokens")
+            end = request.num_prompt_tokens
+            if isinstance(remote, int) and not isinstance(remote, bool) and 0 <= remote < end:
+                end = remote
+            count = end - num_computed_tokens
             return (count, True) if count > 0 else (0, False)
         if self.prefix_lookup is not None and self.kv_layout:
             count = self._stored_tokens(request) - num_computed_tokens
@@ -150,7 +156,11 @@ class DisaggScheduler:
             return
         self._pulled.add(request.request_id)  # never pull twice (recompute, preemption)
         local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
-        load = self._plan_load(request.request_id, params, local)
+        # The unhashed blocks follow the local prefix-cache hit: they hold prompt blocks
+        # first.. (by position), whatever prefill offered beyond the prompt.
+        first = len(blocks.get_block_ids()[0]) - len(local) if local else 0
+        local = local[:-(-num_external_tokens // self.block_size)] if local else []
+        load = self._plan_load(request.request_id, params, local, first)
         if (load.error or load.release_only) and self.leases is not None:
             self.leases.drop(request.request_id, release=False)  # the worker reports no load
         if self.keyed_by_tokens and not load.error:
@@ -167,7 +177,9 @@ class DisaggScheduler:
                         local_block_ids=tuple(local), first_block=first,
                         prompt_token_ids=tuple(request.prompt_token_ids))
 
-    def _plan_load(self, req_id: str, raw: dict[str, Any], local: list[int]) -> LoadSpec:
+    def _plan_load(self, req_id: str, raw: dict[str, Any], local: list[int],
+                   first: int = 0) -> LoadSpec:
+        """Pull prompt blocks ``first..`` (by position) of the handoff into ``local``."""
         try:
             p = msgspec.convert(raw, RemotePrefill)
         except msgspec.ValidationError as exc:
@@ -175,17 +187,16 @@ class DisaggScheduler:
         if len(p.kvdisagg.ports) != self.tp_size:
             return LoadSpec(req_id=req_id, error=f"prefill TP {len(p.kvdisagg.ports)} != "
                             f"decode TP {self.tp_size}")
-        if len(p.remote_block_ids) < len(local):
+        if len(p.remote_block_ids) < first + len(local):
             return LoadSpec(req_id=req_id, error=f"prefill offers {len(p.remote_block_ids)} "
-                            f"blocks, decode needs {len(local)}")
-        # Local prefix-cache hits are the leading blocks: pull only the tail.
-        remote = p.remote_block_ids[len(p.remote_block_ids) - len(local):]
+                            f"blocks, decode needs {first + len(local)}")
+        remote = p.remote_block_ids[first:first + len(local)]
         return LoadSpec(req_id=req_id, host=p.remote_host, ports=tuple(p.kvdisagg.ports),
                         handoff_id=p.remote_request_id, token=p.kvdisagg.token,
                         transport=p.kvdisagg.transport,
                         kv_layout=p.kvdisagg.kv_layout, remote_block_ids=tuple(remote),
-                        local_block_ids=tuple(local),
-                        first_block=len(p.remote_block_ids) - len(local), release_only=not local)
+                        local_block_ids=tuple(local), first_block=first,
+                        release_only=not local)
 
     def build_connector_meta(self) -> DisaggMetadata:
         meta = DisaggMetadata(sends=self._sends, loads=self._loads)
