@@ -142,6 +142,8 @@ class DisaggConnector(KVConnectorBase_V1):
         return results.finished_sending, results.finished_recving
 
     def get_kv_connector_stats(self) -> Any:
+        if self._scheduler is not None:
+            return self._scheduler.take_stats()
         return self._worker.take_stats() if self._worker else None
 
     @classmethod

@@ -50,6 +50,7 @@ class LeaseKeeper:
         self._closed = False
         self._thread: threading.Thread | None = None
         self.renewals = 0  # Renew frames sent (tests, logs)
+        self.renewed = 0  # handoff renewals sent (a Renew frame renews many): for metrics
 
     def hold(self, req_id: str, held: Held) -> None:
         with self._cond:
@@ -117,7 +118,9 @@ class LeaseKeeper:
                 sock = self._connection(key)
                 for msg in messages:
                     send_frame(sock, msg)
-                self.renewals += sum(isinstance(m, Renew) for m in messages)
+                renews = [m for m in messages if isinstance(m, Renew)]
+                self.renewals += len(renews)
+                self.renewed += sum(len(m.handoffs) for m in renews)
             except (OSError, ValueError, KvDisaggError) as exc:
                 # Prefill unreachable: its pulls fail on their own; retry next round.
                 logger.warning("kvdisagg: lease renewal to %s:%d failed: %s", *key, exc)

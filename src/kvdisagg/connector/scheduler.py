@@ -26,6 +26,7 @@ from kvdisagg.config import ConnectorConfig
 from kvdisagg.connector.leases import Held, LeaseKeeper
 from kvdisagg.connector.metadata import (DisaggMetadata, DisaggWorkerMeta, LoadSpec, SendSpec,
                                          WorkerHandshake)
+from kvdisagg.connector.stats import DisaggStats
 from kvdisagg.protocol import RemotePrefill, handoff_params
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ class DisaggScheduler:
         self._sends: list[SendSpec] = []
         self._loads: list[LoadSpec] = []
         self.leases: LeaseKeeper | None = None  # decode: keeps held handoffs alive
+        self._renewed_seen = 0
         # Prefill's staging arena: free arena block ids, and those of each staged handoff
         # until every worker has freed it.
         self._free_slots: list[int] = []
@@ -105,6 +107,15 @@ class DisaggScheduler:
             if self._staged_freed[req_id] >= self.tp_size:
                 del self._staged_freed[req_id]
                 self._free_slots.extend(self._staged.pop(req_id, ()))
+
+    def take_stats(self) -> DisaggStats | None:
+        """Decode: lease renewals sent since the last call (vLLM adds them to the workers')."""
+        if self.leases is None or self.leases.renewed == self._renewed_seen:
+            return None
+        renewed, self._renewed_seen = self.leases.renewed - self._renewed_seen, self.leases.renewed
+        stats = DisaggStats()
+        stats.add(lease_renewals=renewed)
+        return stats
 
     def has_pending_work(self) -> bool:
         """Offers not yet handed to the workers need one more step, even with no request."""

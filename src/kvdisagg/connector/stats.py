@@ -19,6 +19,7 @@ FIELDS = {
     "handoffs_staged": "Handoffs copied into the staging arena (paged blocks freed at once)",
     "handoffs_freed": "Handoffs freed: pulled, released by their decode, or expired",
     "handoffs_expired": "Handoffs freed unread because no decode renewed their lease",
+    "lease_renewals": "Handoff leases this decode instance renewed on prefill instances",
 }
 
 

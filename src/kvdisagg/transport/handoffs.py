@@ -21,9 +21,6 @@ from typing import Sequence
 
 logger = logging.getLogger(__name__)
 
-# A Read may arrive before the worker has learnt of its handoff (that reaches the worker in the
-# next step's connector metadata); wait this long for it before refusing.
-REGISTRATION_GRACE_S = 5.0
 TOMBSTONES = 4096  # ids freed recently: a late Read for one is refused at once, not after a wait
 
 

@@ -43,7 +43,7 @@ from kvdisagg.protocol import (PROTOCOL_VERSION, Done, Hello, Read, Renew, Reply
                                recv_frame, send_frame)
 from kvdisagg.transport.base import Fetch, Offer
 from kvdisagg.threads import start_thread
-from kvdisagg.transport.handoffs import REGISTRATION_GRACE_S, HandoffTable
+from kvdisagg.transport.handoffs import HandoffTable
 
 logger = logging.getLogger(__name__)
 
@@ -338,8 +338,11 @@ class PullTransport:
                 if not error and len(dst) != len(src):
                     error = f"{len(src)} blocks to read into {len(dst)}"
                 if not error:
-                    error = self.table.pin(rid, token, src, min(
-                        REGISTRATION_GRACE_S, self.config.transfer_timeout_seconds))
+                    # A Read may come before the worker learnt of its handoff (that arrives in
+                    # the next engine step's metadata, late on a busy host): wait for it as
+                    # long as a transfer may take; decode's own deadline bounds it too.
+                    error = self.table.pin(rid, token, src,
+                                           self.config.transfer_timeout_seconds)
                 if error:
                     send_frame(sock, Reply(ok=False, error=error))
                     return
