@@ -9,7 +9,11 @@ containers).
 
 from __future__ import annotations
 
-import dataclasses
+import json
+import socket
+import threading
+import time
+from typing import Callable
 
 import pytest
 
@@ -19,13 +23,23 @@ import msgspec  # noqa: E402
 from vllm.v1.engine import FinishReason  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from kvdisagg.connector.metadata import WorkerHandshake  # noqa: E402
-from kvdisagg.protocol import RemotePrefill  # noqa: E402
+from kvdisagg.connector.leases import Held  # noqa: E402
+from kvdisagg.connector.metadata import DisaggWorkerMeta, WorkerHandshake  # noqa: E402
+from kvdisagg.protocol import (Done, Hello, Message, RemotePrefill, Renew, Reply,  # noqa: E402
+                               recv_frame, send_frame)
 from tests.unit.vllm_harness import (HANDSHAKE_PORT, KV_LAYOUT, SAMPLED_TOKEN_ID,  # noqa: E402
                                      TRANSPORT, EmulatedWorkers, SchedulerHarness,
+                                     cleanup_model_dir, closed_port, is_blocked_on_kv,
                                      remote_prefill_params)
 
 REMOTE_DECODE = {"do_remote_decode": True}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _model_dir_removed():
+    """The harness's temporary model directory goes away with this module."""
+    yield
+    cleanup_model_dir()
 
 
 @pytest.fixture
@@ -424,3 +438,408 @@ def test_decode_forged_params_give_a_load_error(make, case):
     h.assert_no_leak()
 
 
+
+
+@pytest.mark.parametrize("remote_tokens", [17, 32, 33])
+def test_decode_claims_at_most_remote_num_tokens(make, remote_tokens):
+    """A handoff shorter than decode's prompt (prefill computed another, shorter prompt): decode
+    loads what prefill computed and computes the rest itself, never claims past it."""
+    prompt = 40
+    h = make("kv_consumer")
+    params = remote_prefill_params(h, remote_tokens)
+    assert params["remote_num_tokens"] == remote_tokens
+    n_remote = h.blocks_for(remote_tokens)
+    assert len(params["remote_block_ids"]) == n_remote
+
+    # The claim itself (side-effect free): capped at remote_num_tokens, less what is computed.
+    probe = h.make_request(prompt, kv_transfer_params=params)
+    assert h.side.get_num_new_matched_tokens(probe, 0) == (remote_tokens, True)
+    assert h.side.get_num_new_matched_tokens(probe, 16) == (remote_tokens - 16, True)
+    assert h.side.get_num_new_matched_tokens(probe, 48) == (0, False)
+
+    req = h.add_request(prompt, kv_transfer_params=params, max_tokens=2)
+    rid = req.request_id
+    s = h.step()
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and s.scheduled == {}
+    assert req.num_computed_tokens == remote_tokens
+    (load,) = s.meta.loads
+    assert not load.error and not load.release_only and load.first_block == 0
+    assert len(load.local_block_ids) == n_remote == h.used_blocks()
+    assert list(load.local_block_ids) == h.block_ids(rid)
+    assert list(load.remote_block_ids) == params["remote_block_ids"]
+
+    h.step(finished_recving={rid})
+    # Only a complete prompt gets its last token recomputed: here nothing is taken back.
+    assert req.num_computed_tokens == remote_tokens
+    s = h.step()
+    assert s.scheduled == {rid: prompt - remote_tokens}  # the rest of the prompt, locally
+    (new,) = s.sched_out.scheduled_new_reqs
+    assert new.num_computed_tokens == remote_tokens
+    assert list(new.block_ids[0][:n_remote]) == list(load.local_block_ids)
+    assert len(new.block_ids[0]) == h.blocks_for(prompt)
+    assert s.output(rid).new_token_ids == [SAMPLED_TOKEN_ID]
+
+    h.drain()
+    assert len(h.loads(rid)) == 1
+    assert h.final_output(rid).finish_reason == FinishReason.LENGTH
+    h.assert_no_leak()
+
+
+@pytest.mark.parametrize("hit", [False, True], ids=["no-hit", "prefix-hit"])
+def test_prefill_params_with_extra_blocks_align_by_position(make, hit):
+    """Prefill computed prompt + outputs (47 + 2 = 49 tokens, 4 blocks): decode's 3 prompt
+    blocks pair with prefill's blocks 0..2 by position, never with the trailing ones."""
+    h = make("kv_consumer")
+    shared = list(range(3, 35))  # two full blocks
+    if hit:
+        warm = h.add_request(48, prompt=shared + [450] * 16)
+        h.drain()
+        assert warm.is_finished()
+    params = remote_prefill_params(h, 49, block_ids=[100, 101, 102, 103])
+    req = h.add_request(47, prompt=shared + [401] * 15, kv_transfer_params=params)
+    rid = req.request_id
+
+    s = h.step()
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    blocks = h.block_ids(rid)
+    assert len(blocks) == 3
+    hit_blocks = 2 if hit else 0
+    (load,) = s.meta.loads
+    assert not load.error and not load.release_only
+    assert load.first_block == hit_blocks
+    assert list(load.local_block_ids) == blocks[hit_blocks:]
+    assert list(load.remote_block_ids) == [100, 101, 102][hit_blocks:]
+
+    h.step(finished_recving={rid})
+    s = h.step()
+    assert s.scheduled == {rid: 1}  # the claim stopped at the prompt (47), not at 49
+    (new,) = s.sched_out.scheduled_new_reqs
+    assert new.num_computed_tokens == 46
+    h.drain()
+    h.assert_no_leak()
+
+
+@pytest.mark.parametrize("prompt,max_tokens", [(40, 1), (47, 3)])
+@pytest.mark.parametrize("staged", [False, True], ids=["paged", "staged"])
+def test_prefill_params_feed_decode(make, prompt, max_tokens, staged):
+    """What a real prefill returns (through a proxy's JSON) makes decode pull exactly the
+    blocks, handoff and token prefill's SendSpec serves."""
+    port = closed_port()
+    p = make("kv_producer", ports=[port], extra_config={"side_channel_host": "127.0.0.1"},
+             handshake_extra={"num_blocks": 64, "stage_blocks": 8} if staged else None)
+    preq = p.add_request(prompt, kv_transfer_params=dict(REMOTE_DECODE), max_tokens=max_tokens)
+    prid = preq.request_id
+    p.run_until(lambda s: preq.is_finished(), max_steps=10)
+    params = json.loads(json.dumps(p.final_output(prid).kv_transfer_params))
+    computed = prompt + max_tokens - 1  # the last sampled token is never computed
+    assert params["remote_num_tokens"] == computed
+    assert len(params["remote_block_ids"]) == p.blocks_for(computed)
+    p.step()
+    (send,) = p.sends(prid)
+    assert list(send.block_ids) == params["remote_block_ids"]
+    assert bool(send.stage_from) == staged
+
+    d = make("kv_consumer")
+    dreq = d.add_request(prompt, prompt=list(preq.prompt_token_ids), kv_transfer_params=params,
+                         max_tokens=2)
+    drid = dreq.request_id
+    s = d.step()
+    (load,) = s.meta.loads
+    assert not load.error and not load.release_only and load.first_block == 0
+    assert list(load.local_block_ids) == d.block_ids(drid)
+    assert load.remote_block_ids == send.block_ids[:d.blocks_for(prompt)]
+    assert (load.handoff_id, load.token) == (send.req_id, send.token) == (prid, send.token)
+    assert (load.host, load.ports) == ("127.0.0.1", (port,))
+    assert (load.transport, load.kv_layout) == (TRANSPORT, KV_LAYOUT)
+
+    d.step(finished_recving={drid})
+    s = d.step()
+    assert s.scheduled == {drid: 1}
+    d.drain()
+    d.assert_no_leak()
+
+    if staged:
+        p.step(worker_meta=DisaggWorkerMeta(released={prid: p.side.tp_size}))
+    else:
+        p.step(finished_sending={prid})
+    p.assert_no_leak()
+
+
+def test_mixed_sequence_leaks_nothing(make):
+    """kv_both, every path at once (EmulatedWorkers answer the metadata): a handoff, a
+    mid-prefill abort, a plain request, decode loads that succeed, fail (recompute), are aborted
+    while waiting, are forged, arrive late. Nothing is left behind."""
+    h = make("kv_both", kv_load_failure_policy="recompute", max_num_batched_tokens=64)
+    w = EmulatedWorkers(load_delay=2, send_delay=2, fail={"fail"})
+
+    def decode(req_id: str, forged: str = "") -> object:
+        params = remote_prefill_params(h, 40, request_id=f"handoff-{req_id}", token=req_id)
+        if forged:
+            params = _forge(params, forged)
+        return h.add_request(40, req_id=req_id, kv_transfer_params=params, max_tokens=2)
+
+    def step_until(cond: Callable[[], bool], max_steps: int = 20) -> None:
+        for _ in range(max_steps):
+            if cond():
+                return
+            h.step_with(w)
+        raise AssertionError("condition not met")
+
+    handoff = h.add_request(40, req_id="handoff", kv_transfer_params=dict(REMOTE_DECODE))
+    long = h.add_request(200, req_id="long", kv_transfer_params=dict(REMOTE_DECODE))
+    plain = h.add_request(40, req_id="plain", max_tokens=3)
+    step_until(lambda: 0 < long.num_computed_tokens < 200
+               and long.status == RequestStatus.RUNNING)
+    assert [r.request_id for r in h.abort("long")] == ["long"]
+    assert "long" not in h.scheduler.requests
+
+    ok, fail, aborted = decode("ok"), decode("fail"), decode("aborted")
+    forged = decode("forged", forged="negative-block-id")
+    assert set(h.side.leases.held()) == {"ok", "fail", "aborted"}  # forged: never held
+    step_until(lambda: is_blocked_on_kv(aborted))
+    assert not h.loads("aborted")[0].error
+    h.abort("aborted")
+    assert aborted.status == RequestStatus.FINISHED_ABORTED
+    assert "aborted" in h.scheduler.requests and len(h.block_ids("aborted")) == 3
+    assert "aborted" not in h.side.leases.held()
+
+    late = decode("late")
+    late_handoff = h.add_request(40, req_id="late-handoff",
+                                 kv_transfer_params=dict(REMOTE_DECODE))
+    step_until(lambda: w.idle() and not h.scheduler.requests
+               and not h.scheduler.has_unfinished_requests(), max_steps=60)
+
+    assert h.sends("long") == [] and handoff.is_finished() and late_handoff.is_finished()
+    for rid in ("handoff", "late-handoff"):
+        (send,) = h.sends(rid)
+        assert h.final_output(rid).kv_transfer_params["remote_block_ids"] == list(send.block_ids)
+    assert h.final_output("plain").finish_reason == FinishReason.LENGTH
+    assert len(plain.output_token_ids) == 3
+    for req in (ok, fail, aborted, forged, late):
+        assert len(h.loads(req.request_id)) == 1, req.request_id
+    assert h.loads("forged")[0].error and not h.loads("ok")[0].error
+    assert aborted.status == RequestStatus.FINISHED_ABORTED
+
+    def computed(rid: str) -> int:
+        return sum(st.scheduled.get(rid, 0) for st in h.history)
+
+    for rid in ("ok", "late"):  # loaded: the last prompt token, then one decode step
+        assert h.final_output(rid).finish_reason == FinishReason.LENGTH
+        assert computed(rid) == 2
+    for rid in ("fail", "forged"):  # recompute policy: the whole prompt, locally
+        assert h.final_output(rid).finish_reason == FinishReason.LENGTH
+        assert computed(rid) == 41
+    h.assert_no_leak()
+
+
+def test_staging(make, monkeypatch):
+    """Prefill with a staging arena: a handoff is copied there and vLLM frees its paged blocks
+    at once; with no room left it holds its paged blocks; freed arena blocks are reused."""
+    num_blocks = 64
+    h = make("kv_producer", num_blocks=num_blocks, handshake=False)
+    h.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): WorkerHandshake(
+        port=HANDSHAKE_PORT, kv_layout=KV_LAYOUT, transport=TRANSPORT, num_blocks=num_blocks,
+        stage_blocks=4)})
+    arena = [num_blocks, num_blocks + 1, num_blocks + 2, num_blocks + 3]
+    assert h.side._free_slots == arena
+
+    delay_free: dict[str, bool] = {}  # what request_finished told vLLM
+    real_request_finished = h.side.request_finished
+
+    def request_finished(request, block_ids):
+        out = real_request_finished(request, block_ids)
+        delay_free[request.request_id] = out[0]
+        return out
+
+    monkeypatch.setattr(h.side, "request_finished", request_finished)
+
+    def handoff() -> tuple[str, list[int], dict]:
+        req = h.add_request(40, kv_transfer_params=dict(REMOTE_DECODE))
+        s = h.step()
+        (new,) = s.sched_out.scheduled_new_reqs
+        assert req.is_finished()
+        rid = req.request_id
+        return rid, list(new.block_ids[0]), s.output(rid).kv_transfer_params
+
+    # Staged: request_finished let vLLM free the paged blocks at once.
+    a, a_paged, a_params = handoff()
+    assert delay_free[a] is False
+    assert a not in h.scheduler.requests and h.used_blocks() == 0
+    assert a_params["remote_block_ids"] == arena[:3]
+    assert all(b >= num_blocks for b in a_params["remote_block_ids"])
+    s = h.step()
+    (send,) = s.meta.sends
+    assert send.req_id == a and list(send.stage_from) == a_paged
+    assert list(send.block_ids) == arena[:3] and send.token == a_params["kvdisagg"]["token"]
+    assert h.side._free_slots == arena[3:]
+    assert "_staged" in h.connector_state()
+
+    # The arena has one block left: the next handoff holds its paged blocks until pulled.
+    b, b_paged, b_params = handoff()
+    assert delay_free[b] is True
+    assert b in h.scheduler.requests and h.block_ids(b) == b_paged and h.used_blocks() == 3
+    assert b_params["remote_block_ids"] == b_paged
+    s = h.step()
+    (send,) = s.meta.sends
+    assert send.req_id == b and send.stage_from == () and list(send.block_ids) == b_paged
+    h.run(2)
+    assert b in h.scheduler.requests and h.used_blocks() == 3
+    assert h.side._free_slots == arena[3:]
+
+    # Every worker freed a's arena blocks: they are free again, and the next handoff stages.
+    h.step(worker_meta=DisaggWorkerMeta(released={a: h.side.tp_size}))
+    assert sorted(h.side._free_slots) == arena
+    assert a not in h.side._staged
+    c, c_paged, c_params = handoff()
+    assert delay_free[c] is False and c not in h.scheduler.requests
+    assert set(c_params["remote_block_ids"]) <= set(arena)
+    s = h.step()
+    (send,) = s.meta.sends
+    assert send.req_id == c and list(send.stage_from) == c_paged
+    assert list(send.block_ids) == c_params["remote_block_ids"]
+
+    h.step(finished_sending={b}, worker_meta=DisaggWorkerMeta(released={c: h.side.tp_size}))
+    assert sorted(h.side._free_slots) == arena
+    h.assert_no_leak()
+
+
+# ---- decode's leases, against a listening socket standing in for prefill ---------------------
+
+
+class FakePrefill:
+    """A loopback listener in place of prefill's side channel: accepts connections, answers each
+    Hello with Reply(ok=True) and records every frame it receives."""
+
+    def __init__(self) -> None:
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self._server.settimeout(0.1)
+        self.port: int = self._server.getsockname()[1]
+        self._lock = threading.Lock()
+        self._frames: list[Message] = []
+        self._conns: list[socket.socket] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            conn.settimeout(None)
+            with self._lock:
+                self._conns.append(conn)
+            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            while True:
+                try:
+                    msg = recv_frame(conn)
+                except Exception:  # peer closed, or we are shutting down
+                    return
+                with self._lock:
+                    self._frames.append(msg)
+                if isinstance(msg, Hello):
+                    send_frame(conn, Reply(ok=True))
+
+    def frames(self) -> list[Message]:
+        with self._lock:
+            return list(self._frames)
+
+    def renewals(self, handoff_id: str, token: str) -> int:
+        """Renew frames naming this handoff (with its token)."""
+        return sum(any((ref.handoff_id, ref.token) == (handoff_id, token) for ref in f.handoffs)
+                   for f in self.frames() if isinstance(f, Renew))
+
+    def dones(self, handoff_id: str) -> list[Done]:
+        return [f for f in self.frames() if isinstance(f, Done) and f.handoff_id == handoff_id]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._server.close()
+        with self._lock:
+            for conn in self._conns:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+
+@pytest.fixture
+def fake_prefill():
+    prefill = FakePrefill()
+    yield prefill
+    prefill.close()
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    """Poll ``cond`` until true or ``timeout_s`` passed (generous: the machine may be loaded)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_decode_holds_handoff_from_arrival_until_reported(make, fake_prefill):
+    """Decode renews a handoff from the request's arrival (before any step) until its load is
+    reported, then stops; a request aborted while waiting for KV releases its handoff at once."""
+    prefill = fake_prefill
+    h = make("kv_consumer")
+    params = remote_prefill_params(h, 40, ports=[prefill.port], request_id="handoff-a",
+                                   token="tok-a", lease_s=0.6)
+    assert params["kvdisagg"]["lease_s"] == 0.6
+    a = h.add_request(40, kv_transfer_params=params, max_tokens=2)
+    arid = a.request_id
+    assert h.side.leases.held() == {
+        arid: Held("handoff-a", "tok-a", "127.0.0.1", (prefill.port,), 0.6)}
+
+    # Renewed every third of the lease (0.2 s): two rounds well within 1.5 s, polled up to 5 s.
+    assert wait_for(lambda: prefill.renewals("handoff-a", "tok-a") >= 2), prefill.frames()
+    hello = prefill.frames()[0]
+    assert isinstance(hello, Hello) and hello.control
+    assert (hello.kv_layout, hello.transport) == (KV_LAYOUT, TRANSPORT)
+    assert sum(isinstance(f, Hello) for f in prefill.frames()) == 1  # one control connection
+
+    s = h.step()
+    (load,) = s.meta.loads
+    assert load.handoff_id == "handoff-a" and load.ports == (prefill.port,)
+    assert arid in h.side.leases.held()  # still held while the pull is in flight
+    h.step(finished_recving={arid})
+    assert arid not in h.side.leases.held()
+    time.sleep(0.5)  # a round already under way may still land
+    settled = prefill.renewals("handoff-a", "tok-a")
+    time.sleep(1.0)  # five rounds' worth
+    assert prefill.renewals("handoff-a", "tok-a") == settled
+    assert prefill.dones("handoff-a") == []  # a pulled handoff is the worker's to finish
+
+    params = remote_prefill_params(h, 40, ports=[prefill.port], request_id="handoff-b",
+                                   token="tok-b", lease_s=0.6)
+    b = h.add_request(40, kv_transfer_params=params)
+    brid = b.request_id
+    assert brid in h.side.leases.held()
+    h.step()
+    assert b.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    h.abort(brid)
+    assert brid not in h.side.leases.held()
+    assert wait_for(lambda: prefill.dones("handoff-b")), prefill.frames()
+    assert prefill.dones("handoff-b") == [Done(handoff_id="handoff-b", token="tok-b", ok=False)]
+    time.sleep(0.5)
+    settled = prefill.renewals("handoff-b", "tok-b")
+    time.sleep(1.0)
+    assert prefill.renewals("handoff-b", "tok-b") == settled
+
+    h.step(finished_recving={brid})  # the aborted load is reported: its blocks are freed
+    h.drain()
+    assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    h.assert_no_leak()
+    assert prefill.dones("handoff-a") == []

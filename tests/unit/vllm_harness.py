@@ -34,6 +34,8 @@ non-empty container attribute of DisaggScheduler (but CONNECTOR_STATE_EXEMPT) an
 its lease keeper still holds count as leftovers, so a new per-request container is covered without
 touching this file. Decode's lease renewals go to a loopback port where nothing listens
 (``closed_port``): they fail fast and are retried, which changes nothing in the scheduler.
+``cleanup_model_dir()`` removes the temporary directory holding the model's config.json (one
+per process, shared by every harness; also removed at interpreter exit).
 """
 
 from __future__ import annotations
@@ -91,11 +93,27 @@ _MODEL_CONFIG = dict(
 )
 
 
-@functools.cache
+_model_tmp: tempfile.TemporaryDirectory[str] | None = None
+
+
 def _model_dir() -> str:
-    d = Path(tempfile.mkdtemp(prefix="kvdisagg-harness-model-"))
-    (d / "config.json").write_text(json.dumps(_MODEL_CONFIG))
-    return str(d)
+    """The directory holding the harness's config.json: one per process (or until
+    ``cleanup_model_dir``), removed by ``cleanup_model_dir`` or, at the latest, when the
+    interpreter exits (TemporaryDirectory's finalizer)."""
+    global _model_tmp
+    if _model_tmp is None:
+        _model_tmp = tempfile.TemporaryDirectory(prefix="kvdisagg-harness-model-")
+        (Path(_model_tmp.name) / "config.json").write_text(json.dumps(_MODEL_CONFIG))
+    return _model_tmp.name
+
+
+def cleanup_model_dir() -> None:
+    """Remove the model directory now (a later harness makes a new one). Call it once no
+    harness is in use any more, e.g. from a module- or session-scoped fixture."""
+    global _model_tmp
+    if _model_tmp is not None:
+        _model_tmp.cleanup()
+        _model_tmp = None
 
 
 @functools.cache
