@@ -21,7 +21,7 @@ from aiohttp import web
 from kvdisagg.errors import ConfigError
 from kvdisagg.proxy.config import InstanceSpec, ProxyConfig, Role
 from kvdisagg.proxy.errors import error_response
-from kvdisagg.proxy.registry import Registry
+from kvdisagg.proxy.registry import Instance, Registry
 
 _encode = msgspec.json.Encoder().encode
 
@@ -33,6 +33,25 @@ class _Target(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class _Drain(_Target, kw_only=True):
     timeout_s: float | None = None
     remove: bool = False
+
+
+async def add_instance(registry: Registry, spec: InstanceSpec) -> Instance:
+    """Validate ``spec`` like the config file, add it, probe it once (routed to if healthy).
+    ConfigError: a bad URL; ValueError: already in the fleet. Used by discovery too."""
+    ProxyConfig(instances=[spec]).validate()  # same URL rules as the config file
+    inst = registry.add(spec)
+    await registry.probe(inst)
+    return inst
+
+
+async def drain_instance(registry: Registry, url: str, timeout_s: float, remove: bool,
+                         force: bool = False) -> tuple[bool, Instance]:
+    """Drain ``url`` (bounded); remove it if asked and idle, or regardless with ``force``
+    (discovery: the member is gone). KeyError: no such instance."""
+    drained = await registry.drain(url, timeout_s)
+    if remove and (drained or force):
+        return drained, registry.remove(url)
+    return drained, registry.get(url)
 
 
 def _json(obj: object, status: int = 200) -> web.Response:
@@ -69,24 +88,21 @@ def add_routes(app: web.Application, cfg: ProxyConfig, registry: Registry) -> No
         return _json({"instances": [i.info() for i in registry.instances.values()]})
 
     async def add(request: web.Request) -> web.Response:
-        try:
-            spec = await parse(request, InstanceSpec)
-            ProxyConfig(instances=[spec]).validate()  # same URL rules as the config file
-        except ConfigError as exc:
-            return error_response(400, str(exc))
+        spec = await parse(request, InstanceSpec)
         assert isinstance(spec, InstanceSpec)
         try:
-            inst = registry.add(spec)
+            inst = await add_instance(registry, spec)
+        except ConfigError as exc:
+            return error_response(400, str(exc))
         except ValueError as exc:
             return error_response(409, str(exc), "conflict")
-        await registry.probe(inst)
         return _json(inst.info(), 201)
 
     async def drain(request: web.Request) -> web.Response:
         req = await parse(request, _Drain)
         assert isinstance(req, _Drain)
-        drained = await registry.drain(req.url, req.timeout_s or cfg.drain_timeout_s)
-        inst = registry.remove(req.url) if req.remove and drained else registry.get(req.url)
+        drained, inst = await drain_instance(registry, req.url,
+                                             req.timeout_s or cfg.drain_timeout_s, req.remove)
         return _json({"drained": drained, "instance": inst.info()})
 
     async def undrain(request: web.Request) -> web.Response:

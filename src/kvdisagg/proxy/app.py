@@ -17,6 +17,7 @@ from aiohttp import web
 
 from kvdisagg.proxy import admin
 from kvdisagg.proxy.config import ProxyConfig, TimeoutConfig, instances_from_urls
+from kvdisagg.proxy.discovery import Discovery
 from kvdisagg.proxy.errors import error_response
 from kvdisagg.proxy.handoff import Handoff
 from kvdisagg.proxy.metrics import Metrics
@@ -30,6 +31,7 @@ REGISTRY = web.AppKey("registry", Registry)
 HANDOFF = web.AppKey("handoff", Handoff)
 METRICS = web.AppKey("metrics", Metrics)
 CONFIG = web.AppKey("config", ProxyConfig)
+DISCOVERY = web.AppKey("discovery", Discovery)
 _encode = msgspec.json.Encoder().encode
 
 HANDLED_SIGNALS = (
@@ -65,6 +67,9 @@ def make_app(prefill_urls: list[str] | None = None, decode_urls: list[str] | Non
                       make_policy(cfg.policy.decode, cfg.policy, cfg.slo))
     app = web.Application(client_max_size=cfg.max_body_bytes)
     app[CONFIG], app[REGISTRY], app[METRICS], app[HANDOFF] = cfg, registry, metrics, handoff
+    discovery = Discovery(cfg.discovery, registry, cfg.drain_timeout_s,
+                          on_error=lambda s: metrics.discovery_error(s.role.value, s.label))
+    app[DISCOVERY] = discovery
 
     async def completions(request: web.Request) -> web.StreamResponse:
         return await handoff.serve(request, chat=False)
@@ -105,9 +110,12 @@ def make_app(prefill_urls: list[str] | None = None, decode_urls: list[str] | Non
                             content_type="text/plain", charset="utf-8")
 
     async def on_startup(_app: web.Application) -> None:
+        if discovery.sources:  # first answer before the start-up probes wait for a decode
+            await discovery.start()
         await registry.start()
 
     async def on_cleanup(_app: web.Application) -> None:
+        await discovery.close()
         await registry.close()
 
     app.on_startup.append(on_startup)

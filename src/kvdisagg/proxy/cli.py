@@ -1,6 +1,7 @@
 """``kvdisagg proxy``: command-line entry of the proxy.
 
-Membership comes from ``--prefill/--decode/--both`` URLs and/or ``--config FILE`` (YAML or
+Membership comes from ``--prefill/--decode/--both`` URLs, ``--prefill-dns/--decode-dns`` names
+(discovery.py) and/or ``--config FILE`` (YAML or
 TOML, the ``ProxyConfig`` tree of docs/proxy.md); flags given on the command line override the
 file's values.
 """
@@ -18,6 +19,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", nargs="+", default=[], metavar="URL")
     p.add_argument("--both", nargs="+", default=[], metavar="URL",
                    help="kv_both instances, usable for either side")
+    p.add_argument("--prefill-dns", action="append", default=[], metavar="NAME:PORT",
+                   help="discover prefill members: A/AAAA records of NAME with PORT, or "
+                   "srv:_http._tcp.NAME for SRV records (repeatable)")
+    p.add_argument("--decode-dns", action="append", default=[], metavar="NAME:PORT",
+                   help="discover decode members, same forms (repeatable)")
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default 8000)")
     p.add_argument("--timeout", type=float,
@@ -65,6 +71,10 @@ def config_from_args(args: argparse.Namespace):  # -> ProxyConfig
         cfg = rep(cfg, retry=rep(cfg.retry, decode_only_fallback=False))
     if args.health_interval is not None:  # 0 is refused by validate(), not ignored
         cfg = rep(cfg, health=rep(cfg.health, interval_s=args.health_interval))
+    if args.prefill_dns or args.decode_dns:
+        d = cfg.discovery
+        cfg = rep(cfg, discovery=rep(d, prefill_dns=[*d.prefill_dns, *args.prefill_dns],
+                                     decode_dns=[*d.decode_dns, *args.decode_dns]))
     extra = instances_from_urls(args.prefill, args.decode, args.both)
     cfg = rep(cfg, instances=[*cfg.instances, *extra])
     return build_config(timeout_s=args.timeout, config=cfg)
@@ -78,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
     except ConfigError as exc:
         raise SystemExit(f"kvdisagg proxy: {exc}") from None
-    if not cfg.instances:
-        raise SystemExit("kvdisagg proxy: no instances; give --prefill/--decode URLs or --config")
+    if not cfg.instances and not cfg.discovery.enabled:
+        raise SystemExit("kvdisagg proxy: no instances; give --prefill/--decode URLs, "
+                         "--prefill-dns/--decode-dns names or --config")
     return run_app(cfg)

@@ -136,6 +136,47 @@ class PolicyConfig(_Base):
     """least_loaded: 512 in-flight tokens weigh one request."""
 
 
+class KubernetesDiscovery(_Base):
+    """Members from the Kubernetes API: ready pods matching a label selector, read with the
+    in-cluster service account (token and CA under ``/var/run/secrets/kubernetes.io/``)."""
+
+    prefill_selector: str | None = None
+    """Label selector of prefill pods (``app=vllm-prefill``); none: no prefill from the API."""
+    decode_selector: str | None = None
+    """Label selector of decode pods."""
+    port: Port = 8000
+    """Port of vLLM's HTTP server in each pod."""
+    namespace: str | None = None
+    """Namespace of the pods; none: the proxy's own (from the service account)."""
+    api_server: str = "https://kubernetes.default.svc"
+
+
+class DiscoveryConfig(_Base):
+    """Fleet members from DNS (a headless Service) and/or the Kubernetes API, re-read every
+    ``interval_s``. New members are added and probed (as ``POST /admin/add``); vanished ones
+    are drained, then removed. A failed lookup keeps the last good answer; a successful empty
+    one drains that name's members. Static ``instances`` are never touched."""
+
+    prefill_dns: list[str] = msgspec.field(default_factory=list)
+    """``host:port`` (A/AAAA records: every address, that port) or ``srv:_http._tcp.name``
+    (SRV records: each target's host and port)."""
+    decode_dns: list[str] = msgspec.field(default_factory=list)
+    """Same forms, for decode members."""
+    interval_s: Seconds = 5.0
+    """Time between two lookups of every name."""
+    timeout_s: Seconds = 2.0
+    """Bound on one lookup (all its retries); past it the lookup failed."""
+    nameservers: list[str] = msgspec.field(default_factory=list)
+    """``host:port`` of the DNS servers to ask; empty: the system's (/etc/resolv.conf)."""
+    kubernetes: KubernetesDiscovery | None = None
+
+    @property
+    def enabled(self) -> bool:
+        k = self.kubernetes
+        return bool(self.prefill_dns or self.decode_dns
+                    or (k is not None and (k.prefill_selector or k.decode_selector)))
+
+
 class ProxyConfig(_Base):
     host: str = "127.0.0.1"
     port: Port = 8000
@@ -146,6 +187,7 @@ class ProxyConfig(_Base):
     timeouts: TimeoutConfig = msgspec.field(default_factory=TimeoutConfig)
     slo: SloConfig = msgspec.field(default_factory=SloConfig)
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
+    discovery: DiscoveryConfig = msgspec.field(default_factory=DiscoveryConfig)
     api_key: str | None = None
     """Replaces the client's Authorization on upstream legs."""
     admin_key: str | None = None
@@ -172,7 +214,18 @@ class ProxyConfig(_Base):
             if inst.key in seen:
                 raise ConfigError(f"instance {inst.key} is listed twice")
             seen.add(inst.key)
+        from kvdisagg.proxy.discovery import parse_hostport, parse_target
         from kvdisagg.proxy.policies import POLICIES
+
+        d = cfg.discovery
+        for key, items, parse in (("prefill_dns", d.prefill_dns, parse_target),
+                                  ("decode_dns", d.decode_dns, parse_target),
+                                  ("nameservers", d.nameservers, parse_hostport)):
+            for i, item in enumerate(items):
+                try:
+                    parse(item)
+                except ValueError as exc:
+                    raise ConfigError(f"discovery.{key}[{i}]: {exc}") from None
 
         for side, name in (("prefill", cfg.policy.prefill), ("decode", cfg.policy.decode)):
             if name not in POLICIES:

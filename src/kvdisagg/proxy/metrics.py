@@ -67,6 +67,7 @@ class Metrics:
         self.missing_kv: dict[str, int] = {}
         self.decode_only: dict[str, int] = {}
         self.rejections: dict[str, int] = {}
+        self.discovery_errors: dict[tuple[str, str], int] = {}
         self.ttft = Histogram(P + "ttft_seconds", "Time to first token (streaming).",
                               LATENCY_BUCKETS)
         self.tpot = Histogram(P + "tpot_seconds", "Mean time per output token after the first.",
@@ -96,6 +97,10 @@ class Metrics:
 
     def rejected(self, reason: str) -> None:
         self.rejections[reason] = self.rejections.get(reason, 0) + 1
+
+    def discovery_error(self, side: str, source: str) -> None:
+        k = (side, source)
+        self.discovery_errors[k] = self.discovery_errors.get(k, 0) + 1
 
     def judge(self, decode_url: str, e2e: float, ttft: float | None, tpot: float | None,
               completion_tokens: int | None) -> bool:
@@ -170,6 +175,10 @@ class Metrics:
             f"# TYPE {P}rejected_total counter\n")
         for reason, n in sorted(self.rejections.items()):
             add(f"{P}rejected_total{_labels(reason=reason)} {n}\n")
+        add(f"# HELP {P}discovery_errors_total Failed discovery lookups (last good answer kept).\n"
+            f"# TYPE {P}discovery_errors_total counter\n")
+        for (side, src), n in sorted(self.discovery_errors.items()):
+            add(f"{P}discovery_errors_total{_labels(side=side, source=src)} {n}\n")
         for h in (self.ttft, self.tpot, self.e2e, self.handoff):
             h.render(out)
         add(f"# TYPE {P}slo_requests_total counter\n{P}slo_requests_total {self.slo_requests}\n")

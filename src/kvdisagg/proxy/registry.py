@@ -259,6 +259,7 @@ class Registry:
         inst = self.get(url)
         del self.instances[inst.url]
         inst.state = State.REMOVED
+        inst.pool.close()  # idle connections go; legs in flight finish, then close theirs
         self._cache.clear()
         log.info("removed instance %s", inst.url)
         return inst
