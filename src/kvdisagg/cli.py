@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "profile": "kvdisagg.bench.profile_cli",
     "plan": "kvdisagg.planner.plan_cli",
     "simulate": "kvdisagg.planner.simulate_cli",
+    "doctor": "kvdisagg.doctor",
 }
 
 
