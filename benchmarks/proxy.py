@@ -1,6 +1,6 @@
 """Proxy overhead, one run: kvdisagg proxy vs vllm-router 0.1.17 vs direct to decode.
 
-Fast fake prefill/decode backends (``kvdisagg.testing.fake_vllm``, one process each, uvloop)
+Fast fake prefill/decode backends (``tests.support.fake_vllm``, one process each, uvloop)
 on loopback; the same closed-loop load against each target, cell by cell (targets interleaved
 per cell, so drift on a shared machine hits all of them alike): streaming completions,
 streaming chat, non-streaming completions, at each concurrency. Reported per cell: req/s,
@@ -72,7 +72,9 @@ def cpu_seconds(pid: int) -> float:
 
 def spawn(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
     with open(log, "wb") as f:
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        # cwd: the repository root, where ``-m tests.support.fake_vllm`` is found
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                cwd=Path(__file__).resolve().parents[1])
 
 
 def wait_http(url: str, timeout_s: float = 60.0) -> None:
@@ -236,7 +238,7 @@ def main() -> int:
     try:
         ports = {k: free_port() for k in ("prefill", "decode", "kvdisagg", "vllm-router", "prom")}
         for role in ("prefill", "decode"):
-            procs.append(spawn([sys.executable, "-m", "kvdisagg.testing.fake_vllm", "--port",
+            procs.append(spawn([sys.executable, "-m", "tests.support.fake_vllm", "--port",
                                 str(ports[role]), "--tokens", str(args.tokens), "--name", role,
                                 "--token-delay-ms", str(args.token_delay_ms)],
                                out / f"fake-{role}.log"))

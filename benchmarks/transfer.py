@@ -1,7 +1,7 @@
 """Transfer benchmark: every transport against the raw loopback copy of the same bytes, and against
 the engine it drives where there is one, in one run.
 
-Prefill is a peer process (kvdisagg.testing.transport_peer) holding KV-shaped blocks: 2 layers
+Prefill is a peer process (tests.support.transport_peer) holding KV-shaped blocks: 2 layers
 of [num_blocks, 1, 64, 128] float32 pages, 32 KiB per layer-block, 64 KiB per block. Decode, this
 process, fetches a scattered block set (every other block) into contiguous blocks through the
 real Transport API: a whole handoff (Read, grant, bytes, Done; for lmcache the chunk GETs).
@@ -23,8 +23,10 @@ import argparse
 import multiprocessing as mp
 import socket
 import statistics
+import sys
 import time
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Callable
 
 import msgspec
@@ -33,9 +35,11 @@ import torch
 from kvdisagg.config import ConnectorConfig
 from kvdisagg.protocol import recv_into_exact
 from kvdisagg.testing.servers import LMCacheServer
-from kvdisagg.testing.transport_peer import (BLOCK_SIZE, KV_LAYOUT, PeerProcess, kv_caches,
-                                             open_transport)
 from kvdisagg.transport import Fetch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support, shared scaffolding
+from tests.support.transport_peer import (BLOCK_SIZE, KV_LAYOUT, PeerProcess,  # noqa: E402
+                                          kv_caches, open_transport)
 
 BLOCK_SHAPE = (1, 64, 128)  # kv_heads, tokens, 2*head_dim: 32 KiB per layer-block in float32
 LAYERS = 2

@@ -34,8 +34,9 @@ def fleet(model: Path):
     fleet = Fleet(model, LOG_DIR, prefill_extra={"lease_seconds": LEASE_S},
                   decode_extra={"transfer_timeout_seconds": TIMEOUT_S})
     corrupt = VllmServer(model, log_path=LOG_DIR / "decode-corrupt.log", omp_threads_bind="1",
+                         env={"PYTHONPATH": str(Path(__file__).resolve().parents[2])},
                          extra_args=kv_transfer_args("kv_consumer", {
-                             "transport": "kvdisagg.testing.faults:CorruptingTcpTransport"}))
+                             "transport": "tests.support.faults:CorruptingTcpTransport"}))
     corrupt.start()
     try:
         with fleet:

@@ -1,4 +1,4 @@
-"""kvdisagg bench against fake OpenAI streaming servers on loopback (kvdisagg.testing.fake_vllm):
+"""kvdisagg bench against fake OpenAI streaming servers on loopback (tests.support.fake_vllm):
 what the client measures, how it fails (bounded), the proxy comparison, and the CLI's files."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from kvdisagg.bench.runner import Endpoint, run_once
 from kvdisagg.bench.workload import LengthDist, RequestSpec, build
 from kvdisagg.proxy import make_app
 from kvdisagg.proxy.config import InstanceSpec, ProxyConfig, Role, SloConfig
-from kvdisagg.testing.fake_vllm import FakeVllm
+from tests.support.fake_vllm import FakeVllm
 
 CFG = ClientConfig(model="tiny", idle_s=2.0, total_s=5.0, connect_s=1.0)
 
@@ -180,8 +180,9 @@ def test_cli_compares_endpoints_and_writes_records_summary_plots(tmp_path: Path)
     from kvdisagg.testing.servers import free_port
 
     ports = [free_port(), free_port()]
-    fakes = [subprocess.Popen([sys.executable, "-m", "kvdisagg.testing.fake_vllm", "--port",
-                               str(p), "--tokens", "4"]) for p in ports]
+    root = Path(__file__).resolve().parents[2]  # where ``tests.support`` is importable
+    fakes = [subprocess.Popen([sys.executable, "-m", "tests.support.fake_vllm", "--port",
+                               str(p), "--tokens", "4"], cwd=root) for p in ports]
     try:
         for p in ports:
             _wait_port(p)

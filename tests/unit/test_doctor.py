@@ -17,9 +17,9 @@ from aiohttp import web
 
 from kvdisagg import doctor
 from kvdisagg.cli import main
-from kvdisagg.testing.fake_vllm import FakeVllm
+from tests.support.fake_vllm import FakeVllm
 from kvdisagg.testing.servers import free_port
-from kvdisagg.testing.transport_peer import KV_LAYOUT, PeerProcess
+from tests.support.transport_peer import KV_LAYOUT, PeerProcess
 
 GOOD = {"kv_connector": "DisaggConnector", "kv_role": "kv_consumer",
         "kv_connector_extra_config": {"transport": "tcp"}}

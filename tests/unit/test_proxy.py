@@ -17,7 +17,7 @@ from kvdisagg.proxy import make_app
 from kvdisagg.proxy.app import REGISTRY
 from kvdisagg.proxy.config import (BreakerConfig, HealthConfig, InstanceSpec, PolicyConfig,
                                    ProxyConfig, RetryConfig, Role, SloConfig, TimeoutConfig)
-from kvdisagg.testing.fake_vllm import FakeVllm
+from tests.support.fake_vllm import FakeVllm
 from kvdisagg.testing.servers import free_port
 
 FORGED = {"do_remote_prefill": True, "remote_block_ids": [666]}

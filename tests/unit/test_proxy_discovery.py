@@ -30,7 +30,7 @@ from kvdisagg.proxy.discovery import (Discovery, DiscoveryError, DnsSource, Targ
 from kvdisagg.proxy.metrics import Metrics
 from kvdisagg.proxy.policies import Side
 from kvdisagg.proxy.registry import Outcome, Registry, State
-from kvdisagg.testing.fake_vllm import FakeVllm
+from tests.support.fake_vllm import FakeVllm
 from kvdisagg.testing.servers import free_port
 
 

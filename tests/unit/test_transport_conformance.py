@@ -1,4 +1,4 @@
-"""Every transport, one contract: prefill in a peer process (kvdisagg.testing.transport_peer),
+"""Every transport, one contract: prefill in a peer process (tests.support.transport_peer),
 decode here, the same seeded KV on both ends, all on loopback.
 
 tcp, nccl (gloo on CPU), mooncake (its TCP protocol) and lmcache (a real LMCache server).
@@ -16,7 +16,7 @@ import torch
 from kvdisagg.config import ConnectorConfig
 from kvdisagg.errors import TransportError
 from kvdisagg.testing.servers import LMCacheServer, free_port
-from kvdisagg.testing.transport_peer import (BLOCK_SIZE, KV_LAYOUT, PeerProcess, kv_caches,
+from tests.support.transport_peer import (BLOCK_SIZE, KV_LAYOUT, PeerProcess, kv_caches,
                                              open_transport)
 from kvdisagg.transport import Fetch
 

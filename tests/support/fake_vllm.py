@@ -5,7 +5,7 @@ It speaks the handoff protocol the proxy sees: a prefill request (``do_remote_de
 body. Faults are attributes a test can flip while it runs (status, delay, missing params,
 dying mid-stream, hanging), and every request is recorded, including whether the proxy
 aborted it. Run as a process for benchmarks:
-``python -m kvdisagg.testing.fake_vllm --port 8101 --tokens 16``.
+``python -m tests.support.fake_vllm --port 8101 --tokens 16``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The conformance tests (tests/unit/test_transport_conformance.py) and the transfe
 the decode side in their own process against this one, so every transport is exercised across
 a real process boundary with the same seeded KV on both ends:
 
-    python -m kvdisagg.testing.transport_peer --transport tcp --config '{}'
+    python -m tests.support.transport_peer --transport tcp --config '{}'
     <- {"port": 41234}
     -> {"op": "offer", "handoff_id": "r1", "token": "t", "block_ids": [2, 3], "prompt": [..]}
     <- {"ok": true}
@@ -22,6 +22,7 @@ import secrets
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 import msgspec
@@ -62,12 +63,13 @@ class PeerProcess:
     def __init__(self, transport: str, extra: dict[str, Any], *, seed: int = 1,
                  blocks: int = 32, block_shape: Sequence[int] = (2, BLOCK_SIZE, 64),
                  stage_blocks: int = 0) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvdisagg.testing.transport_peer", "--transport", transport,
+        self.proc = subprocess.Popen(  # cwd: where the package ``tests`` is importable
+            [sys.executable, "-m", "tests.support.transport_peer", "--transport", transport,
              "--config", json.dumps(extra), "--seed", str(seed), "--blocks", str(blocks),
              "--block-shape", ",".join(map(str, block_shape)),
              "--stage-blocks", str(stage_blocks)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            cwd=Path(__file__).resolve().parents[2])
         self.port = self._read()["port"]
 
     def _read(self) -> dict[str, Any]:

@@ -14,7 +14,7 @@ class CorruptingTcpTransport(TcpTransport):
     """Receives like tcp, then reverses the KV bytes it received in place.
 
     Proves the end-to-end tests can fail: decode output must change when the moved bytes do.
-    Load it with ``"transport": "kvdisagg.testing.faults:CorruptingTcpTransport"`` on decode.
+    Load it with ``"transport": "tests.support.faults:CorruptingTcpTransport"`` on decode.
     """
 
     name = "tcp"  # prefill serves it as tcp
