@@ -69,6 +69,35 @@ def post_stream(url: str, body: dict[str, Any], timeout: float = 120) -> list[di
     return events
 
 
+def completion_tokens(base_url: str, body: dict[str, Any],
+                      timeout: float = 300) -> tuple[str, Any]:
+    """One completion, streamed or not (``body["stream"]``), with ``return_token_ids``:
+    ("ok", token ids), ("error", the server's message: an HTTP error or an error event),
+    ("cut", tokens so far: a stream that ended without [DONE]) or ("bare-error", status)."""
+    req = urllib.request.Request(base_url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    tokens: list[int] = []
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            if not body.get("stream"):
+                return "ok", json.loads(r.read())["choices"][0]["token_ids"]
+            done = False
+            for line in r:
+                line = line.strip()
+                if line == b"data: [DONE]":
+                    done = True
+                elif line.startswith(b"data: "):
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        return "error", event["error"]
+                    for choice in event.get("choices", ()):
+                        tokens += choice.get("token_ids") or []
+            return ("ok", tokens) if done else ("cut", tokens)
+    except urllib.error.HTTPError as e:
+        message = json.loads(e.read() or b"{}").get("error")
+        return ("error", message) if message else ("bare-error", e.code)
+
+
 def metric(base_url: str, name: str, **labels: str) -> float:
     """Sum of the samples of ``name`` whose labels include ``labels``."""
     return metric_value(base_url, name, timeout_s=10, **labels)

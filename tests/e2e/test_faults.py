@@ -10,11 +10,8 @@ tests/unit/test_transport_conformance.py.)
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -22,7 +19,8 @@ import pytest
 
 from kvdisagg.testing.fleet import Fleet
 
-from .conftest import LOG_DIR, metric, post, prompt_ids, wait_handoffs_freed
+from .conftest import (LOG_DIR, completion_tokens, metric, post, prompt_ids,
+                       wait_handoffs_freed)
 
 pytestmark = pytest.mark.e2e
 
@@ -48,28 +46,7 @@ def bodies(seed: int, n: int = BURST) -> list[dict[str, Any]]:
 
 def send(base_url: str, body: dict[str, Any]) -> tuple[str, Any]:
     """("ok", token ids) or ("error", message): a clear error, never a hang or a silent cut."""
-    req = urllib.request.Request(base_url + "/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    tokens: list[int] = []
-    try:
-        with urllib.request.urlopen(req, timeout=CLIENT_TIMEOUT_S) as r:
-            if not body["stream"]:
-                return "ok", json.loads(r.read())["choices"][0]["token_ids"]
-            done = False
-            for line in r:
-                line = line.strip()
-                if line == b"data: [DONE]":
-                    done = True
-                elif line.startswith(b"data: "):
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        return "error", event["error"]
-                    for choice in event.get("choices", ()):
-                        tokens += choice.get("token_ids") or []
-            return ("ok", tokens) if done else ("cut", tokens)
-    except urllib.error.HTTPError as e:
-        message = json.loads(e.read() or b"{}").get("error")
-        return ("error", message) if message else ("bare-error", e.code)
+    return completion_tokens(base_url, body, CLIENT_TIMEOUT_S)
 
 
 def expected_tokens(fleet, items: list[dict[str, Any]]) -> list[list[int]]:

@@ -4,7 +4,6 @@ NIXL, and the answers are the prefill instance's own, token for token, streamed 
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import time
@@ -15,7 +14,7 @@ import pytest
 
 from kvdisagg.testing.servers import free_port
 
-from .conftest import LOG_DIR, post, prompt_ids
+from .conftest import LOG_DIR, completion_tokens, prompt_ids
 
 pytestmark = pytest.mark.e2e
 
@@ -62,20 +61,8 @@ def router(fleet):
 
 
 def tokens(base_url: str, prompt: list[int], stream: bool) -> list[int]:
-    body = {**GEN, "prompt": prompt, "stream": stream}
-    if not stream:
-        status, reply = post(base_url + "/v1/completions", body, timeout=300)
-        assert status == 200, reply
-        return reply["choices"][0]["token_ids"]
-    req = urllib.request.Request(base_url + "/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    out: list[int] = []
-    with urllib.request.urlopen(req, timeout=300) as r:
-        for line in r:
-            line = line.strip()
-            if line.startswith(b"data: ") and line != b"data: [DONE]":
-                for choice in json.loads(line[6:]).get("choices", ()):
-                    out += choice.get("token_ids") or []
+    kind, out = completion_tokens(base_url, {**GEN, "prompt": prompt, "stream": stream})
+    assert kind == "ok", out
     return out
 
 
