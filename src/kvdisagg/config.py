@@ -49,6 +49,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     lmcache_chunk_tokens: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 256
     """Tokens per stored chunk (a multiple of vLLM's block size); keys hash the token prefix."""
 
+    scheduler: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Settings of the scheduler plugin ``kvdisagg.scheduler.SloScheduler`` when vLLM runs it
+    (``--scheduler-cls``); validated there (docs/scheduler.md)."""
+
     def __post_init__(self) -> None:
         if self.transport == "lmcache" and not LMCACHE_URL.fullmatch(self.lmcache_url):
             raise ValueError(f"lmcache_url={self.lmcache_url!r}: transport lmcache needs "

@@ -1,0 +1,307 @@
+"""SloScheduler: vLLM's v1 Scheduler with deadline-aware admission (``--scheduler-cls``).
+
+Runs in the EngineCore process, in place of vLLM's ``Scheduler``; select it with
+``--scheduler-cls kvdisagg.scheduler.SloScheduler`` (vLLM resolves the qualified name with
+``resolve_obj_by_qualname`` inside EngineCore). It keeps vLLM's schedule loop whole and only
+changes what that loop sees, before each ``schedule()``:
+
+- the order of ``self.waiting`` (earliest TTFT deadline first, starved requests first);
+- the per-step token budget (``self.max_num_scheduled_tokens``), once, at start;
+- whether new prompts may be admitted this step (held KV above ``held_kv_share``);
+- how many requests may be running (``self.max_num_active_reqs``, from the TPOT profile).
+
+Settings are a frozen ``SchedulerSettings``, read once from
+``kv_transfer_config.kv_connector_extra_config["scheduler"]``, else from the JSON in
+``KVDISAGG_SCHEDULER``, else defaults. ``policy: "stock"`` leaves vLLM's behaviour untouched.
+
+This module may import vllm and kvdisagg.errors; it must not import torch, kvdisagg.transport or
+kvdisagg.connector (it reads vLLM's scheduler state only, never the connector's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Annotated, Any, Literal, NamedTuple
+
+import msgspec
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.interface import PauseState
+from vllm.v1.core.sched.request_queue import FCFSRequestQueue
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
+
+from kvdisagg.errors import ConfigError
+
+__all__ = ["ENV_VAR", "EXTRA_CONFIG_KEY", "SLO_PARAMS_KEY", "RequestSlo", "SchedulerSettings",
+           "SloScheduler", "SloStats", "load_settings", "parse_settings"]
+
+logger = logging.getLogger(__name__)
+
+EXTRA_CONFIG_KEY = "scheduler"
+"""Key of ``kv_connector_extra_config`` holding the SchedulerSettings dict."""
+ENV_VAR = "KVDISAGG_SCHEDULER"
+"""JSON SchedulerSettings, used when kv_connector_extra_config has no ``scheduler`` key.
+Read here rather than in an ``envs.py`` (the house style's home for env vars): the package has
+no such module yet, and this is read once per scheduler, at construction."""
+SLO_PARAMS_KEY = "kvdisagg_slo"
+"""Key of a request's ``kv_transfer_params`` carrying its RequestSlo, e.g.
+``{"kvdisagg_slo": {"ttft_s": 0.5}}``. A sibling of the ``kvdisagg`` handoff key, not inside it:
+that key is the P->D wire format (HandoffExtras), written by prefill, not by clients."""
+
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=86400)]
+NonNegSeconds = Annotated[float, msgspec.Meta(ge=0, le=86400)]
+
+
+class SchedulerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Settings of SloScheduler (``kv_connector_extra_config["scheduler"]``)."""
+
+    policy: Literal["stock", "slo"] = "slo"
+    """``slo``: everything below applies. ``stock``: vLLM's Scheduler, unchanged (every other
+    key is still validated, and then ignored)."""
+    ttft_s: Seconds = 2.0
+    """Default TTFT objective: a waiting request's deadline is its arrival time plus this (or
+    plus its own ``kv_transfer_params["kvdisagg_slo"]["ttft_s"]``)."""
+    starvation_s: Seconds = 30.0
+    """A request waiting longer than this goes ahead of every deadline-ordered one (oldest
+    first), so a long-deadline request is never starved by a stream of short ones."""
+    max_batched_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    """Per-step token budget (vLLM's ``max_num_scheduled_tokens``); set it to the saturation
+    point of the prefill curve measured by ``kvdisagg profile`` (docs/scheduler.md). At most vLLM's ``--max-num-batched-tokens``, which sizes
+    the model runner's buffers. None: vLLM's budget."""
+    held_kv_share: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5
+    """Prefill backpressure: while the KV blocks held by finished requests whose handoff decode
+    has not pulled yet exceed this share of the KV cache, no new prompt is admitted (requests
+    that already hold KV still run). 1.0 turns it off."""
+    tpot_s: Seconds | None = None
+    """Decode TPOT objective: requests join the running batch only while the predicted step time
+    ``decode_base_s + decode_per_seq_s * batch`` stays within it. None: no cap."""
+    decode_base_s: NonNegSeconds = 0.0
+    """Step time of the linear decode profile at batch 0 (from ``kvdisagg profile``'s decode
+    coefficients; docs/scheduler.md)."""
+    decode_per_seq_s: NonNegSeconds = 0.0
+    """Step time added per running request in the linear decode profile."""
+
+    def __post_init__(self) -> None:
+        if self.tpot_s is not None and self.decode_base_s + self.decode_per_seq_s > self.tpot_s:
+            raise ValueError(
+                f"tpot_s={self.tpot_s} is below the predicted step time of a batch of one, "
+                f"decode_base_s + decode_per_seq_s = {self.decode_base_s + self.decode_per_seq_s}"
+                ": nothing could ever run; raise tpot_s, fix the profile, or unset tpot_s")
+
+    def decode_batch_cap(self) -> int | None:
+        """The largest batch whose predicted step time is within ``tpot_s`` (None: no cap).
+
+        ``decode_base_s + decode_per_seq_s * batch <= tpot_s``; at least 1 (``__post_init__``).
+        """
+        if self.tpot_s is None or self.decode_per_seq_s == 0:
+            return None
+        # The small epsilon keeps an exact fit (0.02 + 0.01 * 3 == 0.05) from flooring down.
+        return int((self.tpot_s - self.decode_base_s) / self.decode_per_seq_s + 1e-9)
+
+
+class RequestSlo(msgspec.Struct, frozen=True, kw_only=True):
+    """A request's own objectives (``kv_transfer_params["kvdisagg_slo"]``; unknown keys ignored)."""
+
+    ttft_s: Seconds | None = None
+
+
+class SloStats(NamedTuple):
+    """SloScheduler's counters since start (monotonic)."""
+
+    deadline_misses: int
+    """Requests first admitted after their TTFT deadline."""
+    reordered: int
+    """Steps in which deadline ordering changed the waiting queue's order."""
+    batch_cap_in_force: int
+    """Steps that ended with the batch at the TPOT cap while requests were waiting."""
+    backpressure_steps: int
+    """Steps in which new prompts waited because held KV was above ``held_kv_share``."""
+
+
+def parse_settings(raw: object, source: str) -> SchedulerSettings:
+    """Validate ``raw`` (a dict) into SchedulerSettings; ConfigError names the key and source."""
+    try:
+        return msgspec.convert(raw, SchedulerSettings)
+    except (msgspec.ValidationError, ValueError) as exc:
+        known = ", ".join(SchedulerSettings.__struct_fields__)
+        raise ConfigError(
+            f"kvdisagg scheduler: invalid settings in {source}: {exc} (known keys: {known}; "
+            f"policy \"stock\" turns the scheduler's changes off)") from None
+
+
+def load_settings(extra_config: Mapping[str, Any] | None,
+                  environ: Mapping[str, str] = os.environ) -> SchedulerSettings:
+    """The settings from ``extra_config["scheduler"]``, else ``$KVDISAGG_SCHEDULER``, else the
+    defaults. Called once, by SloScheduler's constructor."""
+    if extra_config and EXTRA_CONFIG_KEY in extra_config:
+        return parse_settings(extra_config[EXTRA_CONFIG_KEY],
+                              f'kv_connector_extra_config["{EXTRA_CONFIG_KEY}"]')
+    text = environ.get(ENV_VAR, "").strip()
+    if not text:
+        return SchedulerSettings()
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"kvdisagg scheduler: {ENV_VAR} is not JSON ({exc}): {text!r}; "
+                          f"e.g. {ENV_VAR}='{{\"policy\": \"slo\", \"ttft_s\": 1.0}}'") from None
+    return parse_settings(raw, f"${ENV_VAR}")
+
+
+class SloScheduler(Scheduler):
+    """vLLM's Scheduler, with the waiting queue and admission limits set before each step.
+
+    Under ``policy: "slo"``:
+
+    1. ``self.waiting`` is rebuilt in this order (stable, so ties stay first-come-first-served)::
+
+           [ preempted / resumed ][ starved, oldest first ][ the rest, earliest deadline first ]
+             (vLLM's resume-first)  (waited > starvation_s)  (arrival + ttft_s)
+
+       ``self.kv_holding_waiting`` (requests that hold KV: remote loads, preempted with blocks)
+       is left alone: vLLM drains it before ``self.waiting`` anyway.
+    2. ``self.max_num_scheduled_tokens`` is ``max_batched_tokens`` (set once).
+    3. While held KV exceeds ``held_kv_share``, the step runs with vLLM's own ``PAUSED_NEW``
+       admission rule (only requests holding KV are admitted); the pause is lifted afterwards,
+       and an engine-level pause (``pause_state``) is never overridden.
+    4. ``self.max_num_active_reqs`` (vLLM's bound on admission into RUNNING, which never
+       preempts) is capped by ``SchedulerSettings.decode_batch_cap()``. Not
+       ``max_num_running_reqs``: that one is the model runner's slot count, asserted against.
+
+    ``clock`` (wall time, like ``Request.arrival_time``) is a seam for tests.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.clock: Callable[[], float] = time.time
+        kvt = self.vllm_config.kv_transfer_config
+        self.settings = load_settings(kvt.kv_connector_extra_config if kvt else None)
+        self._deadlines: dict[str, float] = {}  # never-admitted requests' TTFT deadlines
+        self._misses = self._reordered = self._cap_steps = self._backpressure_steps = 0
+        self._batch_cap: int | None = None
+        if self.settings.policy == "stock":
+            logger.info("kvdisagg SloScheduler: policy stock (vLLM's Scheduler, unchanged)")
+            return
+        if not isinstance(self.waiting, FCFSRequestQueue):
+            raise ConfigError(
+                f"kvdisagg scheduler: policy \"slo\" orders the waiting queue itself and needs "
+                f"vLLM's --scheduling-policy fcfs (got {self.scheduler_config.policy!r}); "
+                f"drop --scheduling-policy, or set policy \"stock\"")
+        budget = self.settings.max_batched_tokens
+        if budget is not None:
+            limit = self.scheduler_config.max_num_batched_tokens
+            if budget > limit:
+                raise ConfigError(
+                    f"kvdisagg scheduler: max_batched_tokens={budget} exceeds vLLM's "
+                    f"--max-num-batched-tokens={limit}, which sizes the model runner's buffers; "
+                    f"lower max_batched_tokens or raise --max-num-batched-tokens")
+            self.max_num_scheduled_tokens = budget
+        cap = self.settings.decode_batch_cap()
+        if cap is not None and cap < self.max_num_active_reqs:
+            self._batch_cap = cap
+            self.max_num_active_reqs = cap
+        logger.info("kvdisagg SloScheduler: %s (token budget %d, batch cap %s)", self.settings,
+                    self.max_num_scheduled_tokens, self._batch_cap)
+
+    # ---- vLLM's hooks -----------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """vLLM's add_request; a new request also gets its TTFT deadline (slo policy)."""
+        is_new = request.request_id not in self.requests
+        super().add_request(request)
+        if is_new and self.settings.policy == "slo" and request.request_id in self.requests:
+            self._deadlines[request.request_id] = request.arrival_time + self._ttft_s(request)
+
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        """Order ``self.waiting``, decide backpressure, then vLLM's schedule() unchanged."""
+        if self.settings.policy == "stock":
+            return super().schedule(throttle_prefills)
+        now = self.clock()
+        self._order_waiting(now)
+        fresh = [r for r in self.waiting if r.request_id in self._deadlines]
+        hold_new = self.held_kv_share() > self.settings.held_kv_share
+        if hold_new and self.waiting:
+            self._backpressure_steps += 1
+        with self._new_prompts_paused(hold_new):
+            out = super().schedule(throttle_prefills)
+        for req in fresh:  # admitted: running, or its remote KV load started
+            if req.status in (RequestStatus.RUNNING, RequestStatus.WAITING_FOR_REMOTE_KVS):
+                if now > self._deadlines.pop(req.request_id):
+                    self._misses += 1
+        if (self._batch_cap is not None and len(self.running) >= self._batch_cap
+                and (self.waiting or self.kv_holding_waiting)):
+            self._cap_steps += 1
+        return out
+
+    # ---- what SloScheduler adds -------------------------------------------------------------
+
+    def slo_stats(self) -> SloStats:
+        """The counters (read-only; cheap; any thread that may read the scheduler)."""
+        return SloStats(self._misses, self._reordered, self._cap_steps, self._backpressure_steps)
+
+    def held_kv_blocks(self) -> int:
+        """KV blocks of finished requests kept for a handoff not yet pulled (delayed free)."""
+        num_running, num_waiting = self.get_request_counts()
+        if len(self.requests) == num_running + num_waiting:
+            return 0  # the usual case: nobody is held
+        return sum(len(ids) for req in self.requests.values() if req.is_finished()
+                   for ids in self.kv_cache_manager.get_block_ids(req.request_id))
+
+    def held_kv_share(self) -> float:
+        """``held_kv_blocks()`` over the KV cache's blocks."""
+        total = self.cache_config.num_gpu_blocks or 1
+        return self.held_kv_blocks() / total
+
+    def _ttft_s(self, request: Request) -> float:
+        params = request.kv_transfer_params or {}
+        raw = params.get(SLO_PARAMS_KEY)
+        if raw is None:
+            return self.settings.ttft_s
+        try:
+            slo = msgspec.convert(raw, RequestSlo)
+        except msgspec.ValidationError as exc:
+            # Not raised: an error in EngineCore would take every request down with this one.
+            logger.warning("request %s: ignoring kv_transfer_params[%r] (%s); using ttft_s=%s",
+                           request.request_id, SLO_PARAMS_KEY, exc, self.settings.ttft_s)
+            return self.settings.ttft_s
+        return slo.ttft_s if slo.ttft_s is not None else self.settings.ttft_s
+
+    def _order_waiting(self, now: float) -> None:
+        """Rebuild ``self.waiting`` in place (same deque, same requests, new order)."""
+        if len(self._deadlines) > len(self.waiting):  # aborted before admission
+            for req_id in [r for r in self._deadlines if r not in self.requests]:
+                del self._deadlines[req_id]
+        if len(self.waiting) < 2:
+            return
+        starvation_s = self.settings.starvation_s
+
+        def rank(req: Request) -> tuple[int, float]:
+            deadline = self._deadlines.get(req.request_id)
+            if deadline is None:
+                return (0, 0.0)  # preempted or resumed: keep vLLM's resume-first order
+            if now - req.arrival_time > starvation_s:
+                return (1, req.arrival_time)
+            return (2, deadline)
+
+        before = list(self.waiting)
+        after = sorted(before, key=rank)
+        if any(a is not b for a, b in zip(before, after)):
+            self._reordered += 1
+            self.waiting.clear()
+            self.waiting.extend(after)
+
+    @contextlib.contextmanager
+    def _new_prompts_paused(self, paused: bool) -> Iterator[None]:
+        """vLLM's PAUSED_NEW for one schedule(): requests holding KV run, new ones wait."""
+        if not paused or self._pause_state != PauseState.UNPAUSED:
+            yield
+            return
+        self._pause_state = PauseState.PAUSED_NEW
+        try:
+            yield
+        finally:
+            self._pause_state = PauseState.UNPAUSED
