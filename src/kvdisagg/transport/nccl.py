@@ -79,7 +79,7 @@ class NcclTransport(PullTransport):
             raise TransferFailed(f"nccl: rendezvous at {group.store_host}:{group.store_port} "
                                  f"failed: {exc}") from None
         return self._group(dist.PrefixStore(group.group, store), rank=1,
-                           timeout_s=self.config.transfer_timeout_seconds,
+                           timeout_s=deadline.left(),
                            hostname=sock.getsockname()[0])
 
     def _group(self, store: dist.Store, rank: int, timeout_s: float, hostname: str) -> Any:

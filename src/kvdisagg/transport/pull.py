@@ -29,6 +29,7 @@ connection reuse, errors) is here once.
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import threading
 import time
@@ -304,6 +305,8 @@ class PullTransport:
                 assert isinstance(hello, Hello)
                 control = hello.control
                 if not control:
+                    if _hung_up(sock):
+                        return  # decode gave up on this Hello while we were stopped or busy
                     peer = self.open_server(sock, hello.info, info)
                 while not self._closed:
                     sock.settimeout(IDLE_CONNECTION_S)
@@ -368,6 +371,17 @@ class PullTransport:
                 self.table.renew([(r.handoff_id, r.token) for r in refs])
             case _:
                 send_frame(sock, Reply(ok=False, error=f"unexpected {type(msg).__name__}"))
+
+
+def _hung_up(sock: socket.socket) -> bool:
+    """The peer closed its end (EOF waiting, nothing else): setting up a transport peer for
+    it (nccl: a group formation that blocks until its timeout) would be wasted."""
+    if not select.select([sock], [], [], 0)[0]:
+        return False
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
 
 
 class _StaleConnection(Exception):
