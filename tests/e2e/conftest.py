@@ -21,6 +21,28 @@ BLOCK = 128
 LEASE_S = 8.0
 TIMEOUT_S = 5.0
 LOG_DIR = Path(os.environ.get("KVDISAGG_TEST_LOGS", "/tmp/kvdisagg-e2e"))
+# Log lines worth a failure report: CI keeps no files, so the instances' own account of what went
+# wrong has to travel in the report.
+NOTEWORTHY = ("ERROR", "Traceback", "Error:", "kvdisagg", "refused", "timed out", "failed")
+NOISE = ("Initializing KVConnectorBase_V1", "kv_connector_extra_config", "non-default args",
+         "api_utils.py", "ulimit", "Initializing a V1 LLM engine", "Starting to load model")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """On a failed e2e test: the noteworthy lines its instances logged while it ran."""
+    report = yield
+    if report.failed and call.when == "call" and LOG_DIR.exists():
+        since = call.start
+        for log in sorted(LOG_DIR.rglob("*.log")):
+            if log.stat().st_mtime < since:
+                continue
+            lines = [line for line in log.read_text(errors="replace").splitlines()
+                     if any(w in line for w in NOTEWORTHY) and not any(n in line for n in NOISE)]
+            if lines:
+                report.sections.append((f"noteworthy lines of {log.relative_to(LOG_DIR)}",
+                                        "\n".join(lines[-40:])))
+    return report
 
 
 @pytest.fixture(scope="session")
