@@ -37,8 +37,8 @@ from vllm.v1.request import Request, RequestStatus
 
 from kvdisagg.errors import ConfigError
 
-__all__ = ["ENV_VAR", "EXTRA_CONFIG_KEY", "SLO_PARAMS_KEY", "RequestSlo", "SchedulerSettings",
-           "SloScheduler", "SloStats", "load_settings", "parse_settings"]
+__all__ = ["ENV_VAR", "EXTRA_CONFIG_KEY", "PROM_COUNTERS", "SLO_PARAMS_KEY", "RequestSlo",
+           "SchedulerSettings", "SloScheduler", "SloStats", "load_settings", "parse_settings"]
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +123,18 @@ class SloStats(NamedTuple):
     """Steps in which new prompts waited because held KV was above ``held_kv_share``."""
 
 
+PROM_COUNTERS = {
+    "sched_deadline_misses": "Requests SloScheduler first admitted after their TTFT deadline",
+    "sched_reordered": "Steps in which SloScheduler's deadline order changed the waiting queue",
+    "sched_batch_cap_in_force": "Steps that ended at SloScheduler's TPOT batch cap while "
+                                "requests waited",
+    "sched_backpressure_steps": "Steps in which new prompts waited because KV held for "
+                                "handoffs exceeded held_kv_share",
+}
+"""SloStats as ``kv_connector_stats`` keys (``sched_`` + field): DisaggConnector's metrics export
+them as ``vllm:kvdisagg_sched_*`` counters on the instance's /metrics."""
+
+
 def parse_settings(raw: object, source: str) -> SchedulerSettings:
     """Validate ``raw`` (a dict) into SchedulerSettings; ConfigError names the key and source."""
     try:
@@ -183,6 +195,10 @@ class SloScheduler(Scheduler):
         self._deadlines: dict[str, float] = {}  # never-admitted requests' TTFT deadlines
         self._misses = self._reordered = self._cap_steps = self._backpressure_steps = 0
         self._batch_cap: int | None = None
+        # The counters travel to /metrics with DisaggConnector's stats (another connector's
+        # stats class would not know the keys).
+        self._export_stats = kvt is not None and kvt.kv_connector == "DisaggConnector"
+        self._exported = SloStats(0, 0, 0, 0)
         if self.settings.policy == "stock":
             logger.info("kvdisagg SloScheduler: policy stock (vLLM's Scheduler, unchanged)")
             return
@@ -236,6 +252,21 @@ class SloScheduler(Scheduler):
                 and (self.waiting or self.kv_holding_waiting)):
             self._cap_steps += 1
         return out
+
+    def make_stats(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's SchedulerStats, with the counters' increase since the last report added to
+        ``kv_connector_stats`` (DisaggConnector only; see PROM_COUNTERS)."""
+        stats = super().make_stats(*args, **kwargs)
+        if stats is None or not self._export_stats:
+            return stats
+        now = self.slo_stats()
+        delta = {f"sched_{name}": value - old
+                 for name, value, old in zip(SloStats._fields, now, self._exported)
+                 if value != old}
+        if delta:
+            self._exported = now
+            stats.kv_connector_stats = {**(stats.kv_connector_stats or {}), **delta}
+        return stats
 
     # ---- what SloScheduler adds -------------------------------------------------------------
 

@@ -154,6 +154,33 @@ def test_earliest_deadline_first(make):
     h.assert_no_leak()
 
 
+def test_counters_reach_prometheus_through_the_connectors_stats(make):
+    """Each step's SchedulerStats carries the counters' increase; DisaggConnector's Prometheus
+    metrics turn it into vllm:kvdisagg_sched_* counters."""
+    import functools
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from kvdisagg.connector.connector import DisaggConnector
+
+    h = make({"ttft_s": 10.0, "held_kv_share": 1.0}, max_num_seqs=1)
+    add(h, 32, age_s=1.0, ttft_s=5.0)
+    add(h, 32, age_s=0.5, ttft_s=0.5)  # goes first: one reordering step
+    steps = h.run(3)
+    payloads = [s.stats.kv_connector_stats or {} for s in steps]
+    assert sum(p.get("sched_reordered", 0) for p in payloads) == 1
+    assert not any(p.get("sched_reordered") for p in payloads[1:])  # reported once
+
+    registry = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    prom = DisaggConnector.build_prom_metrics(h.vllm_config, types, ["engine"], {0: ["0"]})
+    for p in payloads:
+        prom.observe(p, 0)
+    assert registry.get_sample_value("vllm:kvdisagg_sched_reordered_total", {"engine": "0"}) == 1
+    h.drain()
+    h.assert_no_leak()
+
+
 def test_admission_after_the_deadline_counts_a_miss(make):
     h = make({"ttft_s": 1.0}, max_num_seqs=1)
     late = add(h, 16, age_s=3.0)  # deadline NOW - 2

@@ -151,6 +151,7 @@ class Step:
     sched_out: SchedulerOutput
     meta: DisaggMetadata
     outputs: dict[str, list[EngineCoreOutput]] = field(default_factory=dict)
+    stats: Any = None  # vLLM's SchedulerStats of the step (log_stats is on)
 
     @property
     def scheduled(self) -> dict[str, int]:
@@ -311,10 +312,12 @@ class SchedulerHarness:
         runner_out = self._runner_output(sched_out, kv_out, set(eos))
         engine_outs = self.scheduler.update_from_output(sched_out, runner_out)
         outputs: dict[str, list[EngineCoreOutput]] = {}
+        stats = None
         for eco in engine_outs.values():
+            stats = eco.scheduler_stats or stats
             for out in eco.outputs:
                 outputs.setdefault(out.request_id, []).append(out)
-        step = Step(len(self.history), sched_out, meta, outputs)
+        step = Step(len(self.history), sched_out, meta, outputs, stats)
         self.history.append(step)
         return step
 

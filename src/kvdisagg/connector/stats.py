@@ -9,6 +9,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPro
                                                                   KVConnectorStats)
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from kvdisagg.scheduler import PROM_COUNTERS
+
 FIELDS = {
     "pulls": "KV pulls completed by this decode instance",
     "pull_failures": "KV pulls that failed (reported to vLLM's kv_load_failure_policy)",
@@ -20,6 +22,7 @@ FIELDS = {
     "handoffs_freed": "Handoffs freed: pulled, released by their decode, or expired",
     "handoffs_expired": "Handoffs freed unread because no decode renewed their lease",
     "lease_renewals": "Handoff leases this decode instance renewed on prefill instances",
+    **PROM_COUNTERS,  # SloScheduler's, when it runs (--scheduler-cls)
 }
 
 
