@@ -14,6 +14,7 @@ in the same order (for tcp that is also the byte stream):
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import platform
 from dataclasses import dataclass
@@ -122,15 +123,32 @@ def run_tensor(regions: Sequence[LayerRegion], run: CopyRun, side: str) -> Any:
 def stage_into(regions: Sequence[LayerRegion], block_ids: Sequence[int],
                slots: Sequence[int]) -> None:
     """Copy the pages ``block_ids`` of every layer into arena blocks ``slots`` (ids from
-    ``num_blocks`` on): prefill's paged blocks are then free to reuse."""
+    ``num_blocks`` on): prefill's paged blocks are then free to reuse.
+
+    On CPU, one ``memmove`` per run of consecutive blocks, through ctypes, which releases the
+    GIL: a torch copy holds it for the whole copy and runs an OpenMP team, and on a host whose
+    instances share cores that team crawls, so the side-channel threads of this process (Hello
+    replies, Reads) starved behind it until decode's pulls timed out. On a GPU, one gather and
+    one device-to-host copy per layer.
+    """
+    if not regions:
+        return
+    if regions[0].pages.device.type == "cpu":
+        for run in copy_runs(len(regions), block_ids, slots):
+            r = regions[run.layer]
+            src, dst = r.rows(run.src, run.count), r.rows(run.dst, run.count)
+            if src.shape[0] != run.count or dst.shape[0] != run.count:
+                raise ValueError(f"staging blocks {run.src}.. into {run.dst}..: out of range")
+            ctypes.memmove(dst.data_ptr(), src.data_ptr(), r.page_bytes * run.count)
+        return
     import torch
 
     base = regions[0].num_blocks
-    src = torch.tensor(block_ids, dtype=torch.long)
-    dst = torch.tensor([s - base for s in slots], dtype=torch.long)
+    src_ids = torch.tensor(block_ids, dtype=torch.long)
+    dst_ids = torch.tensor([s - base for s in slots], dtype=torch.long)
     for r in regions:
-        r.stage.index_copy_(0, dst.to(r.stage.device), r.pages.index_select(
-            0, src.to(r.pages.device)).to(r.stage.device))
+        r.stage.index_copy_(0, dst_ids, r.pages.index_select(
+            0, src_ids.to(r.pages.device)).to(r.stage.device))
 
 
 def run_bytes(regions: Sequence[LayerRegion], runs_: Sequence[CopyRun]) -> int:

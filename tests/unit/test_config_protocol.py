@@ -75,3 +75,23 @@ def test_copy_runs_coalesce_where_both_sides_are_consecutive(src, dst, expected)
 def test_copy_runs_refuses_mismatched_lists():
     with pytest.raises(ValueError, match="2 source blocks for 1"):
         copy_runs(1, [1, 2], [3])
+
+
+# ---- the plugin's OpenMP setting on shared cores ----------------------------------------------
+
+PD_ARGV = ["vllm", "serve", "m", "--kv-transfer-config", '{"kv_connector":"DisaggConnector"}']
+
+
+@pytest.mark.parametrize("environ, argv, applied", [
+    ({}, PD_ARGV, True),                                        # vLLM's defaults: shared cores
+    ({"VLLM_CPU_OMP_THREADS_BIND": "auto"}, PD_ARGV, True),
+    ({"VLLM_CPU_OMP_THREADS_BIND": "0"}, PD_ARGV, False),       # own cores: left alone
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, PD_ARGV, False),            # the user's choice wins
+    ({}, ["vllm", "serve", "m"], False),                        # not a kvdisagg instance
+])
+def test_plugin_makes_openmp_wait_passively_only_on_shared_cores(environ, argv, applied):
+    from kvdisagg.plugin import PASSIVE_OMP_ENV, _passive_omp_on_shared_cores
+
+    before = dict(environ)
+    assert _passive_omp_on_shared_cores(environ, argv) is applied
+    assert environ == ({**before, **PASSIVE_OMP_ENV} if applied else before)
