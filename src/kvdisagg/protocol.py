@@ -46,6 +46,19 @@ class HandoffExtras(msgspec.Struct, frozen=True, kw_only=True):
     """Side-channel port per prefill TP rank."""
 
 
+SLO_PARAMS_KEY = "kvdisagg_slo"
+"""Key of a request's ``kv_transfer_params`` carrying its RequestSlo, e.g.
+``{"kvdisagg_slo": {"ttft_s": 0.5}}``: the one key a client may send there (the proxy passes it
+on to prefill, validated, and drops everything else). A sibling of the ``kvdisagg`` handoff key,
+not inside it: that key is the P->D wire format (HandoffExtras), written by prefill."""
+
+
+class RequestSlo(msgspec.Struct, frozen=True, kw_only=True):
+    """A request's own objectives (``kv_transfer_params["kvdisagg_slo"]``; unknown keys ignored)."""
+
+    ttft_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] | None = None
+
+
 class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True):
     """kv_transfer_params that prefill returns and decode receives (unknown keys ignored)."""
 

@@ -14,8 +14,9 @@ Settings are a frozen ``SchedulerSettings``, read once from
 ``kv_transfer_config.kv_connector_extra_config["scheduler"]``, else from the JSON in
 ``KVDISAGG_SCHEDULER``, else defaults. ``policy: "stock"`` leaves vLLM's behaviour untouched.
 
-This module may import vllm and kvdisagg.errors; it must not import torch, kvdisagg.transport or
-kvdisagg.connector (it reads vLLM's scheduler state only, never the connector's).
+This module may import vllm, kvdisagg.errors and kvdisagg.protocol; it must not import torch,
+kvdisagg.transport or kvdisagg.connector (it reads vLLM's scheduler state only, never the
+connector's).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from kvdisagg.errors import ConfigError
+from kvdisagg.protocol import SLO_PARAMS_KEY, RequestSlo
 
 __all__ = ["ENV_VAR", "EXTRA_CONFIG_KEY", "PROM_COUNTERS", "SLO_PARAMS_KEY", "RequestSlo",
            "SchedulerSettings", "SloScheduler", "SloStats", "load_settings", "parse_settings"]
@@ -48,11 +50,6 @@ ENV_VAR = "KVDISAGG_SCHEDULER"
 """JSON SchedulerSettings, used when kv_connector_extra_config has no ``scheduler`` key.
 Read here rather than in an ``envs.py`` (the house style's home for env vars): the package has
 no such module yet, and this is read once per scheduler, at construction."""
-SLO_PARAMS_KEY = "kvdisagg_slo"
-"""Key of a request's ``kv_transfer_params`` carrying its RequestSlo, e.g.
-``{"kvdisagg_slo": {"ttft_s": 0.5}}``. A sibling of the ``kvdisagg`` handoff key, not inside it:
-that key is the P->D wire format (HandoffExtras), written by prefill, not by clients."""
-
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=86400)]
 NonNegSeconds = Annotated[float, msgspec.Meta(ge=0, le=86400)]
 
@@ -102,12 +99,6 @@ class SchedulerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             return None
         # The small epsilon keeps an exact fit (0.02 + 0.01 * 3 == 0.05) from flooring down.
         return int((self.tpot_s - self.decode_base_s) / self.decode_per_seq_s + 1e-9)
-
-
-class RequestSlo(msgspec.Struct, frozen=True, kw_only=True):
-    """A request's own objectives (``kv_transfer_params["kvdisagg_slo"]``; unknown keys ignored)."""
-
-    ttft_s: Seconds | None = None
 
 
 class SloStats(NamedTuple):

@@ -190,6 +190,21 @@ def test_decode_body_splices_client_bytes() -> None:
         bodies.parse(b"[1]", False, 8)
 
 
+def test_client_slo_goes_on_to_prefill_and_nothing_else() -> None:
+    b = bodies.parse(b'{"prompt":"a","kv_transfer_params":{"kvdisagg_slo":{"ttft_s":0.25},'
+                     b'"remote_block_ids":[6]}}', chat=False, prefix_chars=8)
+    assert b"kv_transfer_params" not in b.raw
+    prefill = msgspec.json.decode(bodies.prefill_body(b))["kv_transfer_params"]
+    assert prefill == {**bodies.PREFILL_KV_PARAMS, "kvdisagg_slo": {"ttft_s": 0.25}}
+    plain = bodies.parse(b'{"prompt":"a"}', chat=False, prefix_chars=8)
+    assert msgspec.json.decode(bodies.prefill_body(plain))["kv_transfer_params"] == \
+        bodies.PREFILL_KV_PARAMS
+    for bad in (b'{"ttft_s":-1}', b'{"ttft_s":"fast"}', b'[1]'):
+        with pytest.raises(bodies.BodyError, match="kvdisagg_slo"):
+            bodies.parse(b'{"prompt":"a","kv_transfer_params":{"kvdisagg_slo":' + bad + b"}}",
+                         chat=False, prefix_chars=8)
+
+
 def test_kv_params_extracted_raw() -> None:
     assert bodies.kv_params_of(b'{"id":"x","kv_transfer_params":{"a":1.10}}') == b'{"a":1.10}'
     assert bodies.kv_params_of(b'{"id":"x"}') is None

@@ -159,3 +159,37 @@ def test_client_definition_counts_the_handoff():
     assert ttft_cl[0] == pytest.approx(ttft_ds[0] + m.decode_s(1, 201))
     assert tpot_ds[0] == pytest.approx(_decode_total(m, 1, 200, 5) / 5)
     assert tpot_cl[0] == pytest.approx((_decode_total(m, 1, 200, 5) - m.decode_s(1, 201)) / 4)
+
+
+def _most_decoding_at_once(tl) -> int:
+    """Largest number of requests between their prefill end and their finish at any instant."""
+    events = sorted([(t, 1) for t in tl.prefill_end] + [(t, -1) for t in tl.finish],
+                    key=lambda e: (e[0], e[1]))
+    most = now = 0
+    for _, d in events:
+        now += d
+        most = max(most, now)
+    return most
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_decode_batch_cap_bounds_the_batch_and_shortens_steps(colocated):
+    """SloScheduler's TPOT cap: at most ``max_batch`` decode at once; each of their steps is the
+    shorter step of a smaller batch, while the rest wait for a place."""
+    m = _model(dec=(5.0, 0.001, 2.0))
+    req = _req([0.0] * 8, [100] * 8, [40] * 8)
+
+    def run(spec):
+        return (simulate_colocated(req, [spec]) if colocated
+                else simulate_disaggregated(req, [InstanceSpec(m)], [spec]))
+
+    free, capped = run(InstanceSpec(m)), run(InstanceSpec(m, max_batch=3))
+    decoding = (capped.finish - capped.first) if not colocated else None
+    assert _most_decoding_at_once(free) == 8
+    if not colocated:  # disaggregated: decode alone; prefill ends are the same in both runs
+        np.testing.assert_allclose(free.prefill_end, capped.prefill_end)
+        assert _most_decoding_at_once(capped._replace(prefill_end=capped.first)) <= 3
+        assert np.min(decoding) < np.min(free.finish - free.first)  # shorter steps
+    else:
+        starts = np.sort(capped.prefill_end)
+        assert starts[3] >= np.sort(capped.finish)[0]  # the 4th starts once one finished

@@ -34,6 +34,12 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="latency definitions: DistServe's simulator, or what a client of our proxy sees")
     p.add_argument("--link-gbps", type=float, default=0.0,
                    help="prefill->decode KV bandwidth per decode instance, Gbit/s (default 0: free)")
+    p.add_argument("--prefill-budget", type=int, metavar="TOKENS",
+                   help="prompt tokens per prefill batch (SloScheduler's max_batched_tokens; "
+                        "default: the KV capacity, as DistServe)")
+    p.add_argument("--decode-batch-cap", type=int, metavar="N",
+                   help="most requests decoding at once per instance (SloScheduler's TPOT cap; "
+                        "default: none)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -57,8 +63,13 @@ def load_common(args: argparse.Namespace):  # -> (Profile, TraceSeed, SimEnv, Sl
         raise ConfigError(f"--attainment must be in (0, 1], got {args.attainment}")
     if args.requests < 10:
         raise ConfigError(f"--requests must be >= 10, got {args.requests}")
+    for flag, value in (("--prefill-budget", args.prefill_budget),
+                        ("--decode-batch-cap", args.decode_batch_cap)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
     profile = resolve_profile(args.profile, args.model)
     seed = draw(load_lengths(args.workload), args.requests, seed=args.seed)
-    env = SimEnv(profile=profile, definition=args.definition, link_gbps=args.link_gbps)
+    env = SimEnv(profile=profile, definition=args.definition, link_gbps=args.link_gbps,
+                 prefill_budget=args.prefill_budget, decode_batch_cap=args.decode_batch_cap)
     slo = Slo(ttft_s=args.ttft_slo, tpot_s=args.tpot_slo, attainment=args.attainment)
     return profile, seed, env, slo

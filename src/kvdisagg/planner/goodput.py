@@ -50,11 +50,16 @@ class SimEnv(msgspec.Struct, frozen=True, kw_only=True):
     link_gbps: float = 0.0
     """Prefill -> decode KV bandwidth in Gbit/s per decode instance; 0: free transfers (DistServe)."""
     prefill_budget: int | None = None
-    """Prompt tokens per prefill batch; None: the instance's KV capacity (DistServe)."""
+    """Prompt tokens per prefill batch; None: the instance's KV capacity (DistServe). The
+    SloScheduler's ``max_batched_tokens``."""
+    decode_batch_cap: int | None = None
+    """Most requests decoding at once per instance; None: KV capacity only. The SloScheduler's
+    TPOT cap (``SchedulerSettings.decode_batch_cap()``)."""
 
     def spec(self, tp: int, pp: int) -> InstanceSpec:
         cfg = self.profile.get(tp, pp)
-        return InstanceSpec(LatencyModel(cfg), cfg.max_num_tokens, self.prefill_budget)
+        return InstanceSpec(LatencyModel(cfg), cfg.max_num_tokens, self.prefill_budget,
+                            self.decode_batch_cap)
 
 
 def simulate(placement: Placement, req: Requests, env: SimEnv) -> Timeline:

@@ -223,8 +223,9 @@ class _Prefill:
 class _Decode:
     """A decode instance: admits by KV room, pulls KV over its link, continuous batching."""
 
-    def __init__(self, sim: _Sim, model: LatencyModel, capacity: int, xfer_s_per_token: float) -> None:
-        self.sim, self.model, self.capacity = sim, model, capacity
+    def __init__(self, sim: _Sim, model: LatencyModel, capacity: int, xfer_s_per_token: float,
+                 max_batch: int = _UNBOUNDED) -> None:
+        self.sim, self.model, self.capacity, self.max_batch = sim, model, capacity, max_batch
         self.xfer = xfer_s_per_token
         self.link_free = 0.0
         self.pending: deque[tuple[int, _Prefill | None]] = deque()
@@ -245,6 +246,8 @@ class _Decode:
         sim, pending = self.sim, self.pending
         started = False
         while pending:
+            if self.load - len(pending) >= self.max_batch:
+                break  # the batch cap: admitted (loading or decoding) requests only
             i, src = pending[0]
             p = sim.plen[i]
             if self.kv + p > self.capacity and self.kv > 0:
@@ -349,8 +352,10 @@ class _Decode:
 class _Colocated:
     """A colocated instance (vLLM baseline): prefill-prioritised, one iteration at a time, pp=1."""
 
-    def __init__(self, sim: _Sim, model: LatencyModel, budget: int, capacity: int) -> None:
+    def __init__(self, sim: _Sim, model: LatencyModel, budget: int, capacity: int,
+                 max_batch: int = _UNBOUNDED) -> None:
         self.sim, self.model, self.budget, self.capacity = sim, model, budget, capacity
+        self.max_batch = max_batch
         self.queue: deque[int] = deque()
         self.group = _Group()
         self.busy = False
@@ -368,7 +373,7 @@ class _Colocated:
         sim, q, g = self.sim, self.queue, self.group
         batch: list[int] = []
         tok = sq = 0
-        while q:
+        while q and g.batch + len(batch) < self.max_batch:
             p = sim.plen[q[0]]
             if batch and tok + p > self.budget:
                 break
@@ -433,6 +438,9 @@ class InstanceSpec(NamedTuple):
     """KV-cache tokens; None: unbounded."""
     prefill_budget: int | None = None
     """Max prompt tokens per prefill batch; None: the capacity (DistServe)."""
+    max_batch: int | None = None
+    """Most requests decoding at once (SloScheduler's TPOT cap, ``decode_batch_cap()``);
+    None: bounded by KV capacity only. Ignored by prefill instances."""
 
     def budget(self) -> int:
         b = self.prefill_budget if self.prefill_budget is not None else self.capacity
@@ -440,6 +448,9 @@ class InstanceSpec(NamedTuple):
 
     def cap(self) -> int:
         return self.capacity if self.capacity is not None else _UNBOUNDED
+
+    def batch_cap(self) -> int:
+        return self.max_batch if self.max_batch is not None else _UNBOUNDED
 
 
 def _finish(sim: _Sim, steps: np.ndarray) -> Timeline:
@@ -459,7 +470,7 @@ def simulate_disaggregated(
     st = req.output if steps is None else steps
     sim = _Sim(req, st)
     xfer = kv_bytes_per_token / link_bytes_per_s if kv_bytes_per_token and math.isfinite(link_bytes_per_s) else 0.0
-    decs = [_Decode(sim, s.model, s.cap(), xfer) for s in decode]
+    decs = [_Decode(sim, s.model, s.cap(), xfer, s.batch_cap()) for s in decode]
 
     def route(t: float, i: int, src: _Prefill | None) -> None:
         best = min(decs, key=lambda d: d.load)
@@ -484,7 +495,7 @@ def simulate_colocated(req: Requests, instances: Sequence[InstanceSpec], *,
         raise ValueError("simulate_colocated needs at least one instance")
     st = req.output if steps is None else steps
     sim = _Sim(req, st)
-    cols = [_Colocated(sim, s.model, s.budget(), s.cap()) for s in instances]
+    cols = [_Colocated(sim, s.model, s.budget(), s.cap(), s.batch_cap()) for s in instances]
 
     def arrive(i: int, t: float) -> None:
         min(cols, key=lambda c: c.load).submit(t, i)

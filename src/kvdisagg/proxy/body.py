@@ -6,7 +6,9 @@ so no float or key-order changes; vllm-router re-serializes through f32). Only w
 itself sent ``kv_transfer_params`` (which it must not: that would let it choose the blocks
 decode reads) is the body re-encoded without it; msgspec writes floats in their shortest
 round-trip form, so even then no value changes. The prefill body must change several fields
-and is re-encoded the same way.
+and is re-encoded the same way. The one key a client may send in ``kv_transfer_params`` is its
+SLO (``kvdisagg_slo``, protocol.RequestSlo): validated, it goes on to prefill, whose scheduler
+plugin orders prompts by it (docs/scheduler.md).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from kvdisagg.protocol import SLO_PARAMS_KEY, RequestSlo
 from kvdisagg.proxy.policies import RouteRequest
 
 _decode = msgspec.json.Decoder().decode
@@ -40,6 +43,7 @@ class ClientBody(NamedTuple):
     chat: bool
     stream: bool
     route: RouteRequest
+    slo: dict[str, Any] | None = None  # the client's validated kvdisagg_slo, for prefill
 
 
 def _prompt_text(fields: dict[str, Any], chat: bool) -> tuple[str, int | None]:
@@ -75,9 +79,10 @@ def parse(raw: bytes, chat: bool, prefix_chars: int) -> ClientBody:
         raise BodyError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(fields, dict):
         raise BodyError("request body must be a JSON object")
+    slo = None
     if "kv_transfer_params" in fields:
-        # A client must never choose which KV blocks decode reads.
-        del fields["kv_transfer_params"]
+        # A client must never choose which KV blocks decode reads: only its SLO goes on.
+        slo = _client_slo(fields.pop("kv_transfer_params"))
         raw = _encode(fields)
     stream = fields.get("stream") is True
     text, n_ids = _prompt_text(fields, chat)
@@ -87,7 +92,18 @@ def parse(raw: bytes, chat: bool, prefix_chars: int) -> ClientBody:
         mt = fields.get("max_tokens")
     max_tokens = mt if isinstance(mt, int) and mt > 0 else 16
     key = text[:prefix_chars].encode("utf-8", "surrogatepass")
-    return ClientBody(raw, fields, chat, stream, RouteRequest(key, tokens, max_tokens))
+    return ClientBody(raw, fields, chat, stream, RouteRequest(key, tokens, max_tokens), slo)
+
+
+def _client_slo(params: Any) -> dict[str, Any] | None:
+    raw = params.get(SLO_PARAMS_KEY) if isinstance(params, dict) else None
+    if raw is None:
+        return None
+    try:
+        return msgspec.to_builtins(msgspec.convert(raw, RequestSlo))
+    except msgspec.ValidationError as exc:
+        raise BodyError(f"kv_transfer_params.{SLO_PARAMS_KEY}: {exc} (e.g. "
+                        f'{{"{SLO_PARAMS_KEY}": {{"ttft_s": 0.5}}}})') from None
 
 
 def prefill_body(body: ClientBody) -> bytes:
@@ -99,7 +115,8 @@ def prefill_body(body: ClientBody) -> bytes:
         out["max_completion_tokens"] = 1
     out.pop("stream_options", None)
     out.pop("min_tokens", None)
-    out["kv_transfer_params"] = PREFILL_KV_PARAMS
+    out["kv_transfer_params"] = (PREFILL_KV_PARAMS if body.slo is None
+                                 else {**PREFILL_KV_PARAMS, SLO_PARAMS_KEY: body.slo})
     return _encode(out)
 
 
