@@ -4,9 +4,11 @@ Shared by every pull transport (transport/pull.py), whatever moves the bytes.
 
 Clients never control what memory is read: a Read names a handoff, proves it holds the handoff's
 random token, and may only list blocks of that handoff; prefill maps them to memory itself.
-Reads of an expired or acknowledged handoff are refused, and a handoff being read is pinned so
-its lease cannot expire under the reader. The decode that holds a handoff renews its lease while
-the request waits in its queue (Renew), so a lease runs out only when that decode went away.
+Reads of an acknowledged handoff, or of one freed when its lease ran out, are refused (a Read
+that comes after the lease ran out but before the blocks were freed is served), and a handoff
+being read is pinned so its lease cannot expire under the reader. The decode that holds a
+handoff renews its lease while the request waits in its queue (Renew), so a lease runs out only
+when that decode went away.
 """
 
 from __future__ import annotations
@@ -61,13 +63,13 @@ class HandoffTable:
                 return f"wrong token for handoff {req_id!r}"
             if h.done:
                 return f"handoff {req_id!r} already released"
+            outside = set(block_ids) - h.block_ids
+            if outside:
+                return f"blocks {sorted(outside)[:8]} are not part of handoff {req_id!r}"
             # Past its deadline but not yet freed: the blocks are intact (nothing frees a
             # pinned handoff), so a late Read is served; on a starved host the Renew that
             # would have kept it alive may simply not have been read yet.
             h.deadline = max(h.deadline, time.monotonic() + h.lease_s)
-            outside = set(block_ids) - h.block_ids
-            if outside:
-                return f"blocks {sorted(outside)[:8]} are not part of handoff {req_id!r}"
             h.readers += 1
             return ""
 

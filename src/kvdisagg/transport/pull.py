@@ -376,7 +376,9 @@ class PullTransport:
 def _hung_up(sock: socket.socket) -> bool:
     """The peer closed its end (EOF waiting, nothing else): setting up a transport peer for
     it (nccl: a group formation that blocks until its timeout) would be wasted."""
-    if not select.select([sock], [], [], 0)[0]:
+    poller = select.poll()  # not select(): a vLLM process may hold fds past FD_SETSIZE
+    poller.register(sock, select.POLLIN)
+    if not poller.poll(0):
         return False
     try:
         return sock.recv(1, socket.MSG_PEEK) == b""
