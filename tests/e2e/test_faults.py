@@ -38,10 +38,10 @@ def fleet(model):
         yield fleet
 
 
-def bodies(seed: int, n: int = BURST) -> list[dict[str, Any]]:
+def bodies(seed: int, n: int = BURST, max_tokens: int = 150) -> list[dict[str, Any]]:
     return [{"model": "tiny", "prompt": prompt_ids(100 + 150 * (i % 6), seed=seed + i),
-             "max_tokens": 150, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
-             "stream": i % 2 == 1} for i in range(n)]
+             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+             "return_token_ids": True, "stream": i % 2 == 1} for i in range(n)]
 
 
 def send(base_url: str, body: dict[str, Any]) -> tuple[str, Any]:
@@ -59,11 +59,18 @@ def expected_tokens(fleet, items: list[dict[str, Any]]) -> list[list[int]]:
     return out
 
 
-def under_fault(fleet, items, fault) -> list[tuple[str, Any]]:
-    """Run the burst, strike ``fault`` once the first requests are in flight."""
+def under_fault(fleet, items, fault, *, once_decoding: bool = False) -> list[tuple[str, Any]]:
+    """Run the burst, strike ``fault`` once the first requests are in flight (after a second),
+    or ``once_decoding``: once decode has pulled the KV of one of them (it then streams for
+    seconds: the bodies ask for long answers)."""
+    pulls = metric(fleet.decode.base_url, "vllm:kvdisagg_pulls_total")
     with ThreadPoolExecutor(len(items)) as pool:
         futures = [pool.submit(send, fleet.proxy_url, b) for b in items]
         time.sleep(1.0)
+        deadline = time.monotonic() + 120  # a bound on a broken fleet, not on the burst
+        while (once_decoding and time.monotonic() < deadline
+               and metric(fleet.decode.base_url, "vllm:kvdisagg_pulls_total") <= pulls):
+            time.sleep(0.05)
         fault()
         return [f.result() for f in futures]
 
@@ -101,10 +108,10 @@ def test_prefill_stalled_past_the_transfer_timeout(fleet):
 
 @pytest.mark.timeout(900)
 def test_decode_killed_mid_stream_then_restarted(fleet):
-    items = bodies(300)
+    items = bodies(300, max_tokens=1000)  # streams that are still running when decode dies
     expected = expected_tokens(fleet, items)
     expired = metric(fleet.prefill.base_url, "vllm:kvdisagg_handoffs_expired_total")
-    results = under_fault(fleet, items, fleet.decode.kill)
+    results = under_fault(fleet, items, fleet.decode.kill, once_decoding=True)
     assert_right_or_clear(results, expected)
     assert any(r[0] == "error" for r in results), "the kill struck no request"
     fleet.decode.start()
