@@ -114,16 +114,14 @@ class SloStats(NamedTuple):
     """Steps in which new prompts waited because held KV was above ``held_kv_share``."""
 
 
-PROM_COUNTERS = {
-    "sched_deadline_misses": "Requests SloScheduler first admitted after their TTFT deadline",
-    "sched_reordered": "Steps in which SloScheduler's deadline order changed the waiting queue",
-    "sched_batch_cap_in_force": "Steps that ended at SloScheduler's TPOT batch cap while "
-                                "requests waited",
-    "sched_backpressure_steps": "Steps in which new prompts waited because KV held for "
-                                "handoffs exceeded held_kv_share",
-}
-"""SloStats as ``kv_connector_stats`` keys (``sched_`` + field): DisaggConnector's metrics export
-them as ``vllm:kvdisagg_sched_*`` counters on the instance's /metrics."""
+PROM_COUNTERS = {f"sched_{name}": doc for name, doc in zip(SloStats._fields, (
+    "Requests SloScheduler first admitted after their TTFT deadline",
+    "Steps in which SloScheduler's deadline order changed the waiting queue",
+    "Steps that ended at SloScheduler's TPOT batch cap while requests waited",
+    "Steps in which new prompts waited because KV held for handoffs exceeded held_kv_share",
+), strict=True)}
+"""SloStats as ``kv_connector_stats`` keys (``sched_`` + field, in field order): DisaggConnector's
+metrics export them as ``vllm:kvdisagg_sched_*`` counters on the instance's /metrics."""
 
 
 def parse_settings(raw: object, source: str) -> SchedulerSettings:
@@ -251,9 +249,8 @@ class SloScheduler(Scheduler):
         if stats is None or not self._export_stats:
             return stats
         now = self.slo_stats()
-        delta = {f"sched_{name}": value - old
-                 for name, value, old in zip(SloStats._fields, now, self._exported)
-                 if value != old}
+        delta = {key: value - old
+                 for key, value, old in zip(PROM_COUNTERS, now, self._exported) if value != old}
         if delta:
             self._exported = now
             stats.kv_connector_stats = {**(stats.kv_connector_stats or {}), **delta}
