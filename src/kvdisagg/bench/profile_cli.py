@@ -81,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
                               source=f"kvdisagg profile --url {url}")
     except (MeasureError, ConfigError) as exc:
         raise SystemExit(f"kvdisagg profile: {exc}") from None
+    if capacity is None:
+        console.print(f"[yellow]warning:[/] {url}/metrics gave no vllm:cache_config_info: the "
+                      "profile has no KV capacity (max_num_tokens), so the planner cannot check "
+                      "that a placement's KV fits")
     save_profile(profile, args.out)
     if args.samples:
         enc = msgspec.json.Encoder()
