@@ -11,9 +11,9 @@ fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 PIP=".venv/bin/pip --disable-pip-version-check -q"
 if command -v nvidia-smi >/dev/null 2>&1; then
-  EXTRAS="gpu,mooncake-gpu,lmcache,test"
+  EXTRAS="gpu,mooncake-gpu,lmcache,tracing,test"
 else
-  EXTRAS="cpu,mooncake,lmcache,test"
+  EXTRAS="cpu,mooncake,lmcache,tracing,test"
   # The CPU torch first, or pip resolves a multi-GB CUDA build (docs/configuration.md).
   .venv/bin/python -c "import torch" 2>/dev/null || $PIP install 'torch==2.13.0'
 fi

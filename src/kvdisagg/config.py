@@ -48,6 +48,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """LMCache server for ``transport: lmcache``, ``lm://host:port``."""
     lmcache_chunk_tokens: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 256
     """Tokens per stored chunk (a multiple of vLLM's block size); keys hash the token prefix."""
+    otlp_traces_endpoint: Annotated[str, msgspec.Meta(pattern=r"^(https?://\S+)?$")] = ""
+    """OTLP/HTTP collector (``http://host:4318``) for the handoff's spans (tracing.py); ''
+    (default): no spans. Needs ``kvdisagg[tracing]``."""
 
     scheduler: dict[str, Any] = msgspec.field(default_factory=dict)
     """Settings of the scheduler plugin ``kvdisagg.scheduler.SloScheduler`` when vLLM runs it

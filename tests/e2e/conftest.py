@@ -51,10 +51,22 @@ def model() -> Path:
 
 
 @pytest.fixture(scope="session")
-def fleet(model: Path):
-    """1P1D behind the proxy, plus a decode instance whose transport corrupts what it moves."""
-    fleet = Fleet(model, LOG_DIR, prefill_extra={"lease_seconds": LEASE_S},
-                  decode_extra={"transfer_timeout_seconds": TIMEOUT_S})
+def otlp_sink():
+    """Where the session fleet's proxy and instances export their spans."""
+    from tests.support.otlp_sink import OtlpSink
+
+    with OtlpSink() as sink:
+        yield sink
+
+
+@pytest.fixture(scope="session")
+def fleet(model: Path, otlp_sink):
+    """1P1D behind the proxy, plus a decode instance whose transport corrupts what it moves.
+    Every request is traced (otlp_sink): the whole suite runs with spans on."""
+    trace = {"otlp_traces_endpoint": otlp_sink.url}
+    fleet = Fleet(model, LOG_DIR, prefill_extra={"lease_seconds": LEASE_S, **trace},
+                  decode_extra={"transfer_timeout_seconds": TIMEOUT_S, **trace},
+                  proxy_args=["--otlp-traces-endpoint", otlp_sink.url])
     corrupt = VllmServer(model, log_path=LOG_DIR / "decode-corrupt.log", omp_threads_bind="1",
                          env={"PYTHONPATH": str(Path(__file__).resolve().parents[2])},
                          extra_args=kv_transfer_args("kv_consumer", {

@@ -843,3 +843,62 @@ def test_decode_holds_handoff_from_arrival_until_reported(make, fake_prefill):
     assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED
     h.assert_no_leak()
     assert prefill.dones("handoff-a") == []
+
+
+# ---- the handoff timeline (tracing.py, stats phases) -------------------------------------------
+
+TRACE = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def test_trace_context_flows_from_params_to_step_metadata(make):
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from kvdisagg.tracing import TRACE_PARAMS_KEY, Tracer
+
+    p = make("kv_producer")
+    good = p.add_request(40, kv_transfer_params={**REMOTE_DECODE, TRACE_PARAMS_KEY: TRACE})
+    forged = p.add_request(40, kv_transfer_params={**REMOTE_DECODE,
+                                                   TRACE_PARAMS_KEY: "00-x; rm -rf /"})
+    p.run(3)
+    assert p.sends(good.request_id)[0].trace == TRACE
+    assert p.sends(forged.request_id)[0].trace == ""  # not W3C: dropped
+
+    exporter = InMemorySpanExporter()
+    h = make("kv_consumer")
+    h.side.tracer = Tracer.with_processor(SimpleSpanProcessor(exporter), "test-decode")
+    params = {**remote_prefill_params(h, 40), TRACE_PARAMS_KEY: TRACE}
+    req = h.add_request(40, kv_transfer_params=params, max_tokens=2)
+    (load,) = h.step().meta.loads
+    assert load.trace.startswith("00-4bf92f3577b34da6a3ce929d0e0e4736-")
+    assert not exporter.get_finished_spans()  # open while the pull runs
+    h.step(finished_recving={req.request_id})
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "kvdisagg.load" and span.parent.span_id == 0x00f067aa0ba902b7
+    assert load.trace == f"00-{span.context.trace_id:032x}-{span.context.span_id:016x}-01"
+    h.drain()
+    h.assert_no_leak()
+
+    aborted = h.add_request(40, kv_transfer_params={**remote_prefill_params(h, 40),
+                                                    TRACE_PARAMS_KEY: TRACE}, max_tokens=2)
+    h.step()
+    h.abort(aborted.request_id)
+    h.step(finished_recving={aborted.request_id})
+    h.drain()
+    assert exporter.get_finished_spans()[-1].attributes["abandoned"] is True
+    h.assert_no_leak()
+
+
+def test_phase_observations_aggregate_across_workers_and_reduce_to_means():
+    from kvdisagg.connector.stats import DisaggStats
+
+    a, b = DisaggStats(), DisaggStats()
+    a.observe(transfer=0.002, read=0.001)
+    b.observe(transfer=0.004)
+    b.add(pulls=2)
+    assert DisaggStats().is_empty() and not b.is_empty()
+    merged = a.aggregate(b)
+    assert merged.data["phase_seconds"] == {"transfer": [0.002, 0.004], "read": [0.001]}
+    out = merged.reduce()
+    assert out["transfer_ms_mean"] == 3.0 and out["read_ms_mean"] == 1.0 and out["pulls"] == 2
+    assert "phase_seconds" not in out

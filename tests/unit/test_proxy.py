@@ -17,8 +17,9 @@ from kvdisagg.proxy import make_app
 from kvdisagg.proxy.app import REGISTRY
 from kvdisagg.proxy.config import (BreakerConfig, HealthConfig, InstanceSpec, PolicyConfig,
                                    ProxyConfig, RetryConfig, Role, SloConfig, TimeoutConfig)
-from tests.support.fake_vllm import FakeVllm
 from kvdisagg.testing.servers import free_port
+from kvdisagg.tracing import TRACE_PARAMS_KEY, Tracer
+from tests.support.fake_vllm import FakeVllm
 
 FORGED = {"do_remote_prefill": True, "remote_block_ids": [666]}
 
@@ -49,7 +50,7 @@ class Env:
 
 @contextlib.asynccontextmanager
 async def proxy(n_prefill: int = 1, n_decode: int = 1, dead_decode: int = 0,
-                **cfg_kw: Any) -> AsyncIterator[Env]:
+                tracer: Tracer | None = None, **cfg_kw: Any) -> AsyncIterator[Env]:
     prefill = [FakeVllm(f"p{i}") for i in range(n_prefill)]
     decode = [FakeVllm(f"d{i}") for i in range(n_decode)]
     servers = [TestServer(f.app(), host="127.0.0.1") for f in prefill + decode]
@@ -64,7 +65,7 @@ async def proxy(n_prefill: int = 1, n_decode: int = 1, dead_decode: int = 0,
                                                 decode_total_s=10.0, decode_idle_s=1.0))
     cfg_kw.setdefault("health", HealthConfig(interval_s=0.2, timeout_s=0.5, startup_timeout_s=2.0))
     cfg = ProxyConfig(instances=instances, **cfg_kw)
-    client = TestClient(TestServer(make_app(config=cfg), host="127.0.0.1"))
+    client = TestClient(TestServer(make_app(config=cfg, tracer=tracer), host="127.0.0.1"))
     await client.start_server()
     try:
         yield Env(client, prefill, decode, urls)
@@ -104,6 +105,50 @@ def test_handoff_passes_body_bytes_through_and_forwards_auth() -> None:
             for leg in (p, d):
                 assert leg["headers"]["Authorization"] == "Bearer k"
                 assert leg["headers"].get("X-Request-Id") == "abc-1", leg["headers"]
+    run(t())
+
+
+def test_request_spans_nest_and_carry_their_context_to_both_legs() -> None:
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    client_trace = "0af7651916cd43dd8448eb211c80319c"
+    traceparent = f"00-{client_trace}-b7ad6b7169203331-01"
+
+    async def t() -> None:
+        tracer = Tracer.with_processor(SimpleSpanProcessor(exporter), "test-proxy")
+        async with proxy(tracer=tracer) as env:
+            r = await env.client.post("/v1/completions", json={**GEN, "stream": True},
+                                      headers={"traceparent": traceparent})
+            assert r.status == 200
+            await r.read()
+            # a forged trace key from the client is dropped with the rest of its params
+            r = await env.client.post("/v1/completions", json={
+                **GEN, "kv_transfer_params": {TRACE_PARAMS_KEY: "00-" + "1" * 32 + "-"
+                                              + "2" * 16 + "-01"}})
+            assert r.status == 200
+            p, d = env.prefill[0].seen[0], env.decode[0].seen[0]
+            p_trace = p["body"]["kv_transfer_params"][TRACE_PARAMS_KEY]
+            d_trace = d["body"]["kv_transfer_params"][TRACE_PARAMS_KEY]
+            # decode still gets prefill's params untouched, after the trace key
+            assert d["body"]["kv_transfer_params"] == {**env.prefill[0].kv_params(),
+                                                       TRACE_PARAMS_KEY: d_trace}
+            assert "1" * 32 not in env.prefill[0].seen[1]["raw"].decode()
+        spans = {s.name: s for s in exporter.get_finished_spans()
+                 if s.context.trace_id == int(client_trace, 16)}
+        assert set(spans) == {"kvdisagg.request", "prefill_leg", "decode_leg"}
+        root, pre, dec = spans["kvdisagg.request"], spans["prefill_leg"], spans["decode_leg"]
+        assert root.parent.span_id == 0xb7ad6b7169203331  # joined the client's trace
+        assert pre.parent.span_id == root.context.span_id == dec.parent.span_id
+        assert p_trace == f"00-{client_trace}-{pre.context.span_id:016x}-01"
+        assert d_trace == f"00-{client_trace}-{dec.context.span_id:016x}-01"
+        assert root.start_time <= pre.start_time < pre.end_time <= dec.start_time
+        assert dec.end_time <= root.end_time
+        assert [e.name for e in dec.events] == ["first_token", "first_byte"]
+        assert root.attributes["outcome"] == "ok" and pre.attributes["outcome"] == "ok"
+        assert len(exporter.get_finished_spans()) == 6  # the second request: its own trace
+
     run(t())
 
 
@@ -506,7 +551,7 @@ def test_kv_both_serves_either_side() -> None:
         await srv.start_server()
         url = str(srv.make_url("")).rstrip("/")
         cfg = ProxyConfig(instances=[InstanceSpec(url=url, role=Role.BOTH)])
-        client = TestClient(TestServer(make_app(config=cfg), host="127.0.0.1"))
+        client = TestClient(TestServer(make_app(config=cfg, tracer=tracer), host="127.0.0.1"))
         await client.start_server()
         try:
             r = await client.post("/v1/completions", json=GEN)

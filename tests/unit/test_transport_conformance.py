@@ -18,7 +18,7 @@ from kvdisagg.errors import TransportError
 from kvdisagg.testing.servers import LMCacheServer, free_port
 from tests.support.transport_peer import (BLOCK_SIZE, KV_LAYOUT, PeerProcess, kv_caches,
                                              open_transport)
-from kvdisagg.transport import Fetch
+from kvdisagg.transport import Fetch, PullTiming
 
 TRANSPORTS = ["tcp", "nccl", "mooncake", "lmcache"]
 PULL = {"tcp", "nccl", "mooncake"}
@@ -74,7 +74,13 @@ def test_bytes_arrive_intact_and_the_handoff_is_released(pair):
     name, _, peer, decode, dst = pair
     remote, local, prompt = [2, 3, 4, 9], [7, 8, 0, 1], prompt_for(4)
     token = peer.offer("r1", remote, prompt)
-    nbytes = decode.fetch(fetch_of(peer, "r1", token, remote, local, prompt), TIMEOUT_S)
+    timing = PullTiming(time.time_ns())
+    nbytes = decode.fetch(fetch_of(peer, "r1", token, remote, local, prompt), TIMEOUT_S, timing)
+    if name in PULL:  # the handoff's phases, in order, on a fresh connection
+        phases = timing.phases()
+        assert [p for p, _, _ in phases] == ["connect", "read", "transfer", "done"]
+        assert all(start <= end for _, start, end in phases) and not timing.reused
+        assert phases[0][1] == timing.start_ns
     page = dst["layer.0"][0].numel() * 4
     assert nbytes == 4 * page * len(dst)
     assert_moved(dst, remote, local)

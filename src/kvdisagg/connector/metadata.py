@@ -21,6 +21,7 @@ class SendSpec:
     lease_s: float
     prompt_token_ids: tuple[int, ...] = ()  # only for store transports (lmcache)
     stage_from: tuple[int, ...] = ()
+    trace: str = ""  # traceparent of the request's prefill leg (tracing.py)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class LoadSpec:
     first_block: int = 0  # index in the prompt of the first local block
     release_only: bool = False
     error: str = ""
+    trace: str = ""  # traceparent of the scheduler's kvdisagg.load span (tracing.py)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import secrets
+import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import msgspec
@@ -28,6 +29,7 @@ from kvdisagg.connector.metadata import (DisaggMetadata, DisaggWorkerMeta, LoadS
                                          WorkerHandshake)
 from kvdisagg.connector.stats import DisaggStats
 from kvdisagg.protocol import RemotePrefill, handoff_params
+from kvdisagg.tracing import TRACE_PARAMS_KEY, Tracer, end, traceparent_of, valid_traceparent
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -61,6 +63,10 @@ class DisaggScheduler:
         self._loads: list[LoadSpec] = []
         self.leases: LeaseKeeper | None = None  # decode: keeps held handoffs alive
         self._renewed_seen = 0
+        self._stats = DisaggStats()  # the scheduler's own, until vLLM takes them
+        self.tracer = (Tracer.otlp(config.otlp_traces_endpoint, "kvdisagg-decode-scheduler")
+                       if self.is_consumer else Tracer.disabled())  # spans of planned loads
+        self._load_started: dict[str, tuple[float, Any]] = {}  # planned loads: (time, span)
         # Prefill's staging arena: free arena block ids, and those of each staged handoff
         # until every worker has freed it.
         self._free_slots: list[int] = []
@@ -99,9 +105,12 @@ class DisaggScheduler:
                                 worker_meta: DisaggWorkerMeta | None) -> None:
         """A reported load ends the hold (a failed one also releases prefill's KV); staged
         handoffs freed on every worker give their arena blocks back."""
-        if self.leases is not None:
-            for req_id in finished_recving:
+        for req_id in finished_recving:
+            if self.leases is not None:
                 self.leases.drop(req_id, release=req_id in failed_recving)
+            if (started := self._load_started.pop(req_id, None)) is not None:
+                self._stats.observe(load=time.perf_counter() - started[0])
+                end(started[1], failed=req_id in failed_recving)
         for req_id, n in (worker_meta.released.items() if worker_meta else ()):
             self._staged_freed[req_id] = self._staged_freed.get(req_id, 0) + n
             if self._staged_freed[req_id] >= self.tp_size:
@@ -109,12 +118,14 @@ class DisaggScheduler:
                 self._free_slots.extend(self._staged.pop(req_id, ()))
 
     def take_stats(self) -> DisaggStats | None:
-        """Decode: lease renewals sent since the last call (vLLM adds them to the workers')."""
-        if self.leases is None or self.leases.renewed == self._renewed_seen:
+        """Decode: lease renewals sent and loads seen finished since the last call (vLLM
+        adds them to the workers')."""
+        if self.leases is not None and self.leases.renewed != self._renewed_seen:
+            self._stats.add(lease_renewals=self.leases.renewed - self._renewed_seen)
+            self._renewed_seen = self.leases.renewed
+        if self._stats.is_empty():
             return None
-        renewed, self._renewed_seen = self.leases.renewed - self._renewed_seen, self.leases.renewed
-        stats = DisaggStats()
-        stats.add(lease_renewals=renewed)
+        stats, self._stats = self._stats, DisaggStats()
         return stats
 
     def has_pending_work(self) -> bool:
@@ -176,6 +187,11 @@ class DisaggScheduler:
             self.leases.drop(request.request_id, release=False)  # the worker reports no load
         if self.keyed_by_tokens and not load.error:
             load = dataclasses.replace(load, prompt_token_ids=tuple(request.prompt_token_ids))
+        if not (load.error or load.release_only):
+            span = self.tracer.start("kvdisagg.load", valid_traceparent(
+                params.get(TRACE_PARAMS_KEY)), attributes={"kvdisagg.blocks": len(local)})
+            self._load_started[request.request_id] = (time.perf_counter(), span)
+            load = dataclasses.replace(load, trace=traceparent_of(span))
         self._loads.append(load)
 
     def _plan_prefix_load(self, request: Request, blocks: KVCacheBlocks,
@@ -220,6 +236,8 @@ class DisaggScheduler:
 
         self._pulled.discard(request.request_id)
         self._stored.pop(request.request_id, None)
+        if (started := self._load_started.pop(request.request_id, None)) is not None:
+            end(started[1], abandoned=True)  # finished before its load was reported
         if self.leases is not None:  # gone before its pull was reported: free prefill's KV
             self.leases.drop(request.request_id, release=True)
         params = request.kv_transfer_params
@@ -235,7 +253,8 @@ class DisaggScheduler:
             del self._free_slots[:len(block_ids)]
             self._staged[request.request_id] = offered
         self._sends.append(SendSpec(request.request_id, token, offered,
-                                    self.config.lease_seconds, tokens, stage_from))
+                                    self.config.lease_seconds, tokens, stage_from,
+                                    valid_traceparent(params.get(TRACE_PARAMS_KEY))))
         return not stage_from, handoff_params(
             engine_id=self.engine_id, request_id=request.request_id, block_ids=list(offered),
             host=self.config.side_channel_host, ports=self.ports,
@@ -245,3 +264,4 @@ class DisaggScheduler:
     def shutdown(self) -> None:
         if self.leases is not None:
             self.leases.close()
+        self.tracer.shutdown()

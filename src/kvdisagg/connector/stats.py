@@ -1,5 +1,6 @@
-"""Transfer counters: the worker reports them each step; vLLM logs them and exports them
-as Prometheus counters ``vllm:kvdisagg_*`` on the instance's own /metrics."""
+"""Transfer counters and phase timings: the workers (and the scheduler) report them each step;
+vLLM logs them and exports them on the instance's own /metrics, as Prometheus counters
+``vllm:kvdisagg_*`` and the histogram ``vllm:kvdisagg_phase_seconds{phase=...}``."""
 
 from __future__ import annotations
 
@@ -25,6 +26,20 @@ FIELDS = {
     **PROM_COUNTERS,  # SloScheduler's, when it runs (--scheduler-cls)
 }
 
+PHASES = {  # the handoff timeline on an instance (docs/operations.md, "Handoff timeline")
+    "queue": "decode: a planned pull waiting for a pull thread",
+    "connect": "decode: opening a side-channel connection and its Hello (0 when reused)",
+    "read": "decode: Read sent until prefill granted it",
+    "transfer": "decode: the KV bytes moving",
+    "done": "decode: Done sent (prefill may free the KV)",
+    "load": "decode scheduler: a load planned until the engine saw it finished",
+    "stage": "prefill: copying a finished handoff into the staging arena",
+    "serve": "prefill: a Read received until decode's Done",
+}
+PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_PHASE_KEY = "phase_seconds"  # data[_PHASE_KEY][phase]: the step's observations
+
 
 class DisaggStats(KVConnectorStats):
     def reset(self) -> None:
@@ -33,17 +48,30 @@ class DisaggStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k in FIELDS:
             self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
+        for phase, values in other.data.get(_PHASE_KEY, {}).items():
+            self.data.setdefault(_PHASE_KEY, {}).setdefault(phase, []).extend(values)
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
+        """Counters as they are, phases as their mean in ms (vLLM's periodic log line)."""
+        out = {k: v for k, v in self.data.items() if k != _PHASE_KEY}
+        for phase, values in self.data.get(_PHASE_KEY, {}).items():
+            if values:
+                out[f"{phase}_ms_mean"] = round(1e3 * sum(values) / len(values), 3)
+        return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k) for k in FIELDS)
+        return not (any(self.data.get(k) for k in FIELDS) or self.data.get(_PHASE_KEY))
 
     def add(self, **values: float) -> None:
         for k, v in values.items():
             self.data[k] = self.data.get(k, 0) + v
+
+    def observe(self, **seconds: float) -> None:
+        """One observation per named phase (PHASES)."""
+        phases = self.data.setdefault(_PHASE_KEY, {})
+        for phase, v in seconds.items():
+            phases.setdefault(phase, []).append(v)
 
 
 class DisaggPromMetrics(KVConnectorPromMetrics):
@@ -55,8 +83,18 @@ class DisaggPromMetrics(KVConnectorPromMetrics):
                 self._counter_cls(name=f"vllm:kvdisagg_{k}", documentation=doc,
                                   labelnames=labelnames), per_engine_labelvalues)
             for k, doc in FIELDS.items()}
+        histogram = self._histogram_cls(
+            name="vllm:kvdisagg_phase_seconds", labelnames=[*labelnames, "phase"],
+            documentation="Handoff timeline phases on this instance (phase label: "
+            + "; ".join(f"{k}: {v}" for k, v in PHASES.items()) + ")", buckets=PHASE_BUCKETS)
+        self.phases = {idx: {p: histogram.labels(*values, p) for p in PHASES}
+                       for idx, values in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for k, v in transfer_stats_data.items():
             if k in self.counters and v:
                 self.counters[k][engine_idx].inc(v)
+        for phase, values in transfer_stats_data.get(_PHASE_KEY, {}).items():
+            if (hist := self.phases.get(engine_idx, {}).get(phase)) is not None:
+                for v in values:
+                    hist.observe(v)

@@ -26,7 +26,8 @@ from kvdisagg.errors import KvDisaggError
 from kvdisagg.layout import (LayerRegion, layer_regions, layout_fingerprint, stage_into,
                              with_arena)
 from kvdisagg.threads import unbind_current_thread
-from kvdisagg.transport import Fetch, Offer, load_transport
+from kvdisagg.tracing import Tracer, end, now_ns, traceparent_of
+from kvdisagg.transport import Fetch, Offer, PullTiming, load_transport
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -44,6 +45,10 @@ class DisaggWorker:
         self.is_producer = kv.is_kv_producer
         self.tp_rank = get_tensor_model_parallel_rank()
         self.transport = load_transport(config, self.tp_rank)
+        self.tracer = Tracer.otlp(config.otlp_traces_endpoint,
+                                  f"kvdisagg-{'prefill' if self.is_producer else 'decode'}")
+        if hasattr(self.transport, "observe"):  # pull transports time prefill's serving
+            self.transport.tracer, self.transport.observe = self.tracer, self._observe
         self.kv_layout = ""
         self.port = 0
         self.regions: list[LayerRegion] = []
@@ -100,10 +105,15 @@ class DisaggWorker:
         self._offered = meta
         for send in meta.sends:
             if send.stage_from:
+                start_ns = now_ns()
                 stage_into(self.regions, send.stage_from, send.block_ids)
+                end_ns = now_ns()
+                self._observe("stage", (end_ns - start_ns) / 1e9)
+                self.tracer.record("kvdisagg.stage", send.trace, start_ns, end_ns,
+                                   {"kvdisagg.blocks": len(send.block_ids)})
             (self._staged if send.stage_from else self._paged).add(send.req_id)
             self.transport.offer(Offer(send.req_id, send.token, send.block_ids, send.lease_s,
-                                       send.prompt_token_ids))
+                                       send.prompt_token_ids, send.trace))
         if meta.sends:
             with self._lock:
                 self.stats.add(handoffs_offered=len(meta.sends),
@@ -112,32 +122,47 @@ class DisaggWorker:
     def start_load_kv(self, meta: DisaggMetadata) -> None:
         self.offer(meta)
         for load in meta.loads:
-            future = self._pool.submit(self._fetch, load)
+            future = self._pool.submit(self._fetch, load, now_ns())
             if not load.release_only:
                 self._inflight[load.req_id] = future
 
-    def _fetch(self, load: LoadSpec) -> int:
+    def _observe(self, phase: str, seconds: float) -> None:
+        with self._lock:
+            self.stats.observe(**{phase: seconds})
+
+    def _fetch(self, load: LoadSpec, submitted_ns: int) -> int:
         if load.error:
             raise KvDisaggError(load.error)
         if load.transport != self.transport.name:
             raise KvDisaggError(f"prefill uses transport {load.transport!r}, this decode "
                                 f"instance {self.transport.name!r}")
         start = time.perf_counter()
+        timing = PullTiming(now_ns())
+        span = self.tracer.start("kvdisagg.pull", load.trace, submitted_ns,
+                                 {"kvdisagg.handoff": load.handoff_id,
+                                  "kvdisagg.blocks": len(load.local_block_ids)})
         try:
             nbytes = self.transport.fetch(Fetch(
                 handoff_id=load.handoff_id, token=load.token, host=load.host,
                 port=load.ports[self.tp_rank] if load.ports else 0, kv_layout=load.kv_layout,
                 remote_block_ids=load.remote_block_ids, local_block_ids=load.local_block_ids,
                 prompt_token_ids=load.prompt_token_ids, first_block=load.first_block),
-                self.config.transfer_timeout_seconds)
-        except Exception:
+                self.config.transfer_timeout_seconds, timing)
+        except Exception as exc:
             with self._lock:
                 self.stats.add(pull_failures=1)
+            end(span, error=str(exc)[:200])
             raise
         elapsed = time.perf_counter() - start
+        phases = [("queue", submitted_ns, timing.start_ns), *timing.phases()]
         with self._lock:
             self.stats.add(pulls=1, pulled_bytes=nbytes, pull_seconds=elapsed,
                            pulled_blocks=len(load.local_block_ids))
+            self.stats.observe(**{p: (e - s) / 1e9 for p, s, e in phases})
+        parent = traceparent_of(span)
+        for phase, s, e in phases:
+            self.tracer.record(phase, parent, s, e)
+        end(span, None, **{"kvdisagg.bytes": nbytes, "kvdisagg.connection_reused": timing.reused})
         logger.info("kvdisagg: pulled %d blocks (%d bytes) for %s in %.1f ms",
                     len(load.local_block_ids), nbytes, load.req_id, elapsed * 1e3)
         return nbytes
@@ -188,3 +213,4 @@ class DisaggWorker:
     def shutdown(self) -> None:
         self.transport.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.tracer.shutdown()

@@ -24,6 +24,7 @@ from kvdisagg.proxy.metrics import Metrics
 from kvdisagg.proxy.policies import Side, make_policy
 from kvdisagg.proxy.registry import Registry
 from kvdisagg.proxy.upstream import UpstreamError
+from kvdisagg.tracing import Tracer
 
 log = logging.getLogger("kvdisagg.proxy")
 
@@ -56,15 +57,19 @@ def build_config(prefill_urls: list[str] | None = None, decode_urls: list[str] |
 
 
 def make_app(prefill_urls: list[str] | None = None, decode_urls: list[str] | None = None,
-             timeout_s: float | None = None, *, config: ProxyConfig | None = None) -> web.Application:
+             timeout_s: float | None = None, *, config: ProxyConfig | None = None,
+             tracer: Tracer | None = None) -> web.Application:
+    """``tracer``: where request spans go (default: ``otlp_traces_endpoint``'s collector)."""
     cfg = build_config(prefill_urls, decode_urls, timeout_s, config)
     registry = Registry(cfg)
     for spec in cfg.instances:
         registry.add(spec)
     metrics = Metrics(cfg.slo)
+    if tracer is None:
+        tracer = Tracer.otlp(cfg.otlp_traces_endpoint, "kvdisagg-proxy")
     handoff = Handoff(cfg, registry, metrics,
                       make_policy(cfg.policy.prefill, cfg.policy, cfg.slo),
-                      make_policy(cfg.policy.decode, cfg.policy, cfg.slo))
+                      make_policy(cfg.policy.decode, cfg.policy, cfg.slo), tracer)
     app = web.Application(client_max_size=cfg.max_body_bytes)
     app[CONFIG], app[REGISTRY], app[METRICS], app[HANDOFF] = cfg, registry, metrics, handoff
     discovery = Discovery(cfg.discovery, registry, cfg.drain_timeout_s,
@@ -117,6 +122,7 @@ def make_app(prefill_urls: list[str] | None = None, decode_urls: list[str] | Non
     async def on_cleanup(_app: web.Application) -> None:
         await discovery.close()
         await registry.close()
+        tracer.shutdown()
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)

@@ -19,6 +19,7 @@ import msgspec
 
 from kvdisagg.protocol import SLO_PARAMS_KEY, RequestSlo
 from kvdisagg.proxy.policies import RouteRequest
+from kvdisagg.tracing import TRACE_PARAMS_KEY
 
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
@@ -106,8 +107,9 @@ def _client_slo(params: Any) -> dict[str, Any] | None:
                         f'{{"{SLO_PARAMS_KEY}": {{"ttft_s": 0.5}}}})') from None
 
 
-def prefill_body(body: ClientBody) -> bytes:
-    """One token, never streamed, with ``do_remote_decode`` so prefill keeps the KV."""
+def prefill_body(body: ClientBody, trace: str = "") -> bytes:
+    """One token, never streamed, with ``do_remote_decode`` so prefill keeps the KV;
+    ``trace``: the prefill leg's traceparent, for the connector's spans."""
     out = dict(body.fields)
     out["stream"] = False
     out["max_tokens"] = 1
@@ -115,20 +117,31 @@ def prefill_body(body: ClientBody) -> bytes:
         out["max_completion_tokens"] = 1
     out.pop("stream_options", None)
     out.pop("min_tokens", None)
-    out["kv_transfer_params"] = (PREFILL_KV_PARAMS if body.slo is None
-                                 else {**PREFILL_KV_PARAMS, SLO_PARAMS_KEY: body.slo})
+    params = PREFILL_KV_PARAMS
+    if body.slo is not None:
+        params = {**params, SLO_PARAMS_KEY: body.slo}
+    if trace:
+        params = {**params, TRACE_PARAMS_KEY: trace}
+    out["kv_transfer_params"] = params
     return _encode(out)
 
 
-def decode_body(body: ClientBody, kv_params: bytes | None) -> bytes:
-    """The client's bytes plus ``kv_transfer_params`` (``None``: decode-only, bytes as sent)."""
+def decode_body(body: ClientBody, kv_params: bytes | None, trace: str = "") -> bytes:
+    """The client's bytes plus ``kv_transfer_params`` (``None``: decode-only, bytes as sent);
+    ``trace``: the decode leg's traceparent, inserted into prefill's params."""
     if kv_params is None:
         return body.raw
-    raw = body.raw
+    if trace:
+        kv_params = _insert(kv_params, b'"%s":"%s"' % (TRACE_PARAMS_KEY.encode(), trace.encode()))
+    return _insert(body.raw, b'"kv_transfer_params":' + kv_params)
+
+
+def _insert(raw: bytes, member: bytes) -> bytes:
+    """A JSON object's bytes with ``member`` ("key":value) added first, the rest untouched."""
     i = raw.index(b"{") + 1
     rest = raw[i:].lstrip()
     sep = b"" if rest.startswith(b"}") else b","
-    return b"".join((raw[:i], b'"kv_transfer_params":', kv_params, sep, raw[i:]))
+    return b"".join((raw[:i], member, sep, raw[i:]))
 
 
 class _PrefillAnswer(msgspec.Struct):

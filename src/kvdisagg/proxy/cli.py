@@ -42,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-decode-only-fallback", action="store_true",
                    help="fail instead of letting decode recompute when no prefill is usable")
     p.add_argument("--health-interval", type=float, metavar="S")
+    p.add_argument("--otlp-traces-endpoint", metavar="URL",
+                   help="OTLP/HTTP collector for request spans, e.g. http://127.0.0.1:4318")
 
 
 def config_from_args(args: argparse.Namespace):  # -> ProxyConfig
@@ -53,7 +55,9 @@ def config_from_args(args: argparse.Namespace):  # -> ProxyConfig
     cfg = load_config_file(args.config) if args.config else ProxyConfig()
     rep = msgspec.structs.replace
     top = {k: v for k, v in (("host", args.host), ("port", args.port), ("api_key", args.api_key),
-                             ("admin_key", args.admin_key)) if v is not None}
+                             ("admin_key", args.admin_key),
+                             ("otlp_traces_endpoint", args.otlp_traces_endpoint))
+           if v is not None}
     cfg = rep(cfg, **top)
     pol = {}
     if args.policy:

@@ -199,6 +199,9 @@ class ProxyConfig(_Base):
     max_in_flight: Annotated[int, msgspec.Meta(ge=0)] = 0
     """Client requests served at once; more get 503 with Retry-After. 0: no bound (each vLLM
     instance queues what it cannot run yet, as a single instance would)."""
+    otlp_traces_endpoint: Annotated[str, msgspec.Meta(pattern=r"^(https?://\S+)?$")] = ""
+    """OTLP/HTTP collector (``http://host:4318``) for each request's spans, joined by the
+    instances' (their connector's ``otlp_traces_endpoint``); '' (default): no spans."""
 
     def validate(self) -> "ProxyConfig":
         """The checked config (bounds, types, URLs, policy names); the message names the key.

@@ -49,6 +49,7 @@ from kvdisagg.proxy.policies import Policy, Side, Verdict
 from kvdisagg.proxy.registry import Instance, Outcome, Registry
 from kvdisagg.proxy.upstream import (Abandoned, ConnectError, Response, UpstreamError,
                                      UpstreamTimeout)
+from kvdisagg.tracing import Tracer, end, event, traceparent_of, valid_traceparent
 
 log = logging.getLogger("kvdisagg.proxy")
 
@@ -100,8 +101,10 @@ def _status_outcome(status: int) -> Outcome:
 
 class Handoff:
     def __init__(self, cfg: ProxyConfig, registry: Registry, metrics: Metrics,
-                 prefill_policy: Policy, decode_policy: Policy) -> None:
+                 prefill_policy: Policy, decode_policy: Policy,
+                 tracer: Tracer = Tracer.disabled()) -> None:
         self.cfg = cfg
+        self.tracer = tracer
         self.registry = registry
         self.metrics = metrics
         self.prefill_policy = prefill_policy
@@ -139,8 +142,12 @@ class Handoff:
         m.in_flight += 1
         self.idle.clear()
         outcome = "error"
+        # The request's trace: joins the client's (W3C traceparent header) when it sent one.
+        root = self.tracer.start("kvdisagg.request", valid_traceparent(
+            request.headers.get("traceparent")), server=True,
+            attributes={"http.route": request.path}) if self.tracer.enabled else None
         try:
-            resp, outcome = await self._serve(request, chat, t0)
+            resp, outcome = await self._serve(request, chat, t0, root)
             return resp
         except asyncio.CancelledError:
             outcome = "client_disconnect"
@@ -149,6 +156,7 @@ class Handoff:
             outcome = "client_disconnect"
             raise
         finally:
+            end(root, outcome=outcome)
             m.in_flight -= 1
             m.request_done(endpoint, outcome)
             if not m.in_flight:
@@ -161,8 +169,8 @@ class Handoff:
         return error_response(status, message, type_,
                               {"Retry-After": str(max(1, math.ceil(retry_after_s)))})
 
-    async def _serve(self, request: web.Request, chat: bool,
-                     t0: float) -> tuple[web.StreamResponse, str]:
+    async def _serve(self, request: web.Request, chat: bool, t0: float,
+                     root: object) -> tuple[web.StreamResponse, str]:
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -176,20 +184,21 @@ class Handoff:
             rid = f"{self._rid_prefix}{next(self._rid_seq):x}"
         headers = self._headers(request, rid)
         path = request.path
+        if root is not None:
+            root.set_attribute("kvdisagg.request_id", rid)
 
-        pre = await self._prefill(body, path, headers, rid)
+        pre = await self._prefill(body, path, headers, rid, root)
         if isinstance(pre, web.Response):
             return pre, ("shed" if pre.status == 429 else "error")
-        return await self._decode(request, body, path, headers, rid, pre, t0)
+        return await self._decode(request, body, path, headers, rid, pre, t0, root)
 
     # prefill
     async def _prefill(self, body: bodies.ClientBody, path: str, headers: bytes,
-                       rid: str) -> Prefilled | web.Response:
+                       rid: str, root: object) -> Prefilled | web.Response:
         cfg, reg = self.cfg, self.registry
         tried: list[Instance] = []
         failures: list[LegFailure] = []
         missing_kv = False
-        pbody: bytes | None = None
         for attempt in range(cfg.retry.prefill_attempts):
             sel = self.prefill_policy.select(body.route, reg.candidates(Side.PREFILL, tuple(tried)),
                                              Side.PREFILL)
@@ -207,9 +216,7 @@ class Handoff:
                     return Prefilled(None, "decode_only:colocate")
             if tried:
                 tried[-1].retries[Side.PREFILL] += 1
-            if pbody is None:
-                pbody = bodies.prefill_body(body)
-            res = await self._prefill_leg(inst, path, pbody, headers, body.route.prompt_tokens)
+            res = await self._prefill_leg(inst, path, body, headers, root)
             if isinstance(res, bytes):
                 return Prefilled(res, "pd")
             if res.client_error is not None:
@@ -233,14 +240,18 @@ class Handoff:
         return error_response(status, "prefill failed: " + "; ".join(f.message for f in failures),
                               "upstream_error")
 
-    async def _prefill_leg(self, inst: Instance, path: str, pbody: bytes, headers: bytes,
-                           tokens: int) -> bytes | LegFailure:
+    async def _prefill_leg(self, inst: Instance, path: str, body: bodies.ClientBody,
+                           headers: bytes, root: object) -> bytes | LegFailure:
         """kv_transfer_params (raw JSON) from one prefill instance, or why not.
 
         ``prefill_s`` bounds the leg, queueing behind other prefills included; headers come
         only when the prefill is done, so there is no shorter bound that is not a guess.
         """
         t = self.cfg.timeouts
+        tokens = body.route.prompt_tokens
+        leg = self.tracer.start("prefill_leg", traceparent_of(root),
+                                attributes={"kvdisagg.instance": inst.url}) if root else None
+        pbody = bodies.prefill_body(body, traceparent_of(leg))
         start = _now()
         inst.start(Side.PREFILL, tokens)
         outcome = Outcome.BROKEN
@@ -276,11 +287,12 @@ class Handoff:
             raise
         finally:
             inst.finish(Side.PREFILL, tokens, outcome)
+            end(leg, outcome=outcome.name.lower())
 
     # decode
     async def _decode(self, request: web.Request, body: bodies.ClientBody, path: str,
-                      headers: bytes, rid: str, pre: Prefilled,
-                      t0: float) -> tuple[web.StreamResponse, str]:
+                      headers: bytes, rid: str, pre: Prefilled, t0: float,
+                      root: object) -> tuple[web.StreamResponse, str]:
         cfg, reg, m = self.cfg, self.registry, self.metrics
         t = cfg.timeouts
         tokens = body.route.max_tokens
@@ -309,7 +321,10 @@ class Handoff:
                     "rate_limit_exceeded"), "shed"
             if tried:
                 tried[-1].retries[Side.DECODE] += 1
-            dbody = bodies.decode_body(body, pre.kv)
+            leg = self.tracer.start("decode_leg", traceparent_of(root), attributes={
+                "kvdisagg.instance": inst.url, "kvdisagg.mode": pre.mode}) if root else None
+            dbody = bodies.decode_body(body, pre.kv, traceparent_of(leg))
+            leg_start = _now()
             inst.start(Side.DECODE, tokens)
             try:
                 # Headers may come only when generation is done (vLLM, not streamed).
@@ -323,6 +338,7 @@ class Handoff:
                 reprefill = exc.sent  # a refused connection: decode never saw the handoff
             except asyncio.CancelledError:
                 inst.finish(Side.DECODE, tokens, Outcome.CANCELLED)
+                end(leg, outcome="cancelled")
                 raise
             else:
                 if resp.status >= 500 or resp.status in _RETRYABLE:
@@ -340,19 +356,26 @@ class Handoff:
                     failure = LegFailure("status", f"decode {inst.url} returned {resp.status}: "
                                          f"{data[:300].decode('utf-8', 'replace')}", 502)
                 else:
-                    relayed = await self._relay(request, body, resp, inst, rid, pre, t0, deadline)
+                    try:
+                        relayed = await self._relay(request, body, resp, inst, rid, pre, t0,
+                                                    deadline, leg, leg_start)
+                    except BaseException:
+                        end(leg, outcome="cancelled")
+                        raise
                     if not isinstance(relayed, LegFailure):
+                        end(leg, outcome=relayed[1])
                         return relayed
                     failure = relayed  # nothing reached the client yet
                 answered.append(inst)
                 reprefill = True
+            end(leg, outcome=failure.kind)
             failures.append(failure)
             tried.append(inst)
             log.warning("request %s: decode attempt %d/%d failed: %s", rid, attempt + 1,
                         cfg.retry.decode_attempts, failure.message)
             if (reprefill and pre.kv is not None and attempt + 1 < cfg.retry.decode_attempts
                     and deadline > _now()):
-                again = await self._prefill(body, path, headers, rid)
+                again = await self._prefill(body, path, headers, rid, root)
                 if isinstance(again, web.Response):
                     return again, "error"
                 pre = again
@@ -364,8 +387,9 @@ class Handoff:
                               "upstream_error"), "error"
 
     async def _relay(self, request: web.Request, body: bodies.ClientBody, resp: Response,
-                     inst: Instance, rid: str, pre: Prefilled, t0: float,
-                     deadline: float) -> tuple[web.StreamResponse, str] | LegFailure:
+                     inst: Instance, rid: str, pre: Prefilled, t0: float, deadline: float,
+                     span: object, leg_start: float
+                     ) -> tuple[web.StreamResponse, str] | LegFailure:
         """Pass decode's answer to the client byte for byte, timing it on the way.
 
         Until the client has seen a byte, a failure goes back to ``_decode`` (which may retry):
@@ -419,6 +443,8 @@ class Handoff:
         if chunked:
             out.enable_chunked_encoding()
         first = _now()
+        m.decode_first_token.observe(first - leg_start)
+        event(span, "first_token")
         stats = [0, first]  # SSE events seen, time of the last one
         outcome, leg = "error", Outcome.BROKEN
         try:
@@ -427,6 +453,7 @@ class Handoff:
                 if head is not None:
                     stats[0] = head.count(b"data:")
                     await out.write(head)  # with the headers, through aiohttp's writer
+                    event(span, "first_byte")
                     transport = request.transport
                     if transport is None:
                         raise ConnectionResetError("client went away")

@@ -76,6 +76,9 @@ class Metrics:
                              LATENCY_BUCKETS)
         self.handoff = Histogram(P + "handoff_seconds", "Prefill leg until kv_transfer_params.",
                                  LATENCY_BUCKETS)
+        self.decode_first_token = Histogram(
+            P + "decode_first_token_seconds", "Decode leg sent until its first token event "
+            "(streaming): the KV pull, decode's first step and the relay.", LATENCY_BUCKETS)
         self.slo_requests = 0
         self.slo_met = {"ttft": 0, "tpot": 0, "both": 0}
         self._window: deque[tuple[float, bool, str]] = deque()
@@ -179,7 +182,7 @@ class Metrics:
             f"# TYPE {P}discovery_errors_total counter\n")
         for (side, src), n in sorted(self.discovery_errors.items()):
             add(f"{P}discovery_errors_total{_labels(side=side, source=src)} {n}\n")
-        for h in (self.ttft, self.tpot, self.e2e, self.handoff):
+        for h in (self.ttft, self.tpot, self.e2e, self.handoff, self.decode_first_token):
             h.render(out)
         add(f"# TYPE {P}slo_requests_total counter\n{P}slo_requests_total {self.slo_requests}\n")
         add(f"# TYPE {P}slo_met_total counter\n")

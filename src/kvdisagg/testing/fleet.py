@@ -35,7 +35,7 @@ class Fleet:
                  decode_extra: dict[str, Any] | None = None,
                  decode_failure_policy: str = "fail", prefill_failure_policy: str = "fail",
                  prefill_args: Sequence[str] = (), decode_args: Sequence[str] = (),
-                 reference_args: Sequence[str] = (),
+                 reference_args: Sequence[str] = (), proxy_args: Sequence[str] = (),
                  binds: dict[str, str | None] | None = None,
                  env: dict[str, str] | None = None) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -57,6 +57,7 @@ class Fleet:
                                      extra_args=list(reference_args))
                           if reference else None)
         self.proxy_port = free_port()
+        self.proxy_args = list(proxy_args)
         self.proxy: subprocess.Popen[bytes] | None = None
 
     @property
@@ -74,7 +75,8 @@ class Fleet:
         self.proxy = subprocess.Popen(
             [sys.executable, "-m", "kvdisagg.cli", "proxy", "--prefill", self.prefill.base_url,
              "--decode", self.decode.base_url, "--host", "127.0.0.1",
-             "--port", str(self.proxy_port)], stdout=log, stderr=subprocess.STDOUT)
+             "--port", str(self.proxy_port), *self.proxy_args],
+            stdout=log, stderr=subprocess.STDOUT)
         try:
             for server in self.servers:
                 server.wait_ready(timeout_s)

@@ -16,7 +16,8 @@ A transport is a name in TRANSPORTS or ``module:Class`` for a user's own; its co
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol, Sequence
 
 from kvdisagg.errors import ConfigError
@@ -35,6 +36,7 @@ class Offer:
     block_ids: tuple[int, ...]
     lease_s: float
     prompt_token_ids: tuple[int, ...] = ()  # store transports key chunks by token prefix
+    trace: str = ""  # traceparent of the request's prefill leg (tracing.py), '' if none
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,27 @@ class Fetch:
     first_block: int = 0
 
 
+@dataclass
+class PullTiming:
+    """Where one fetch's time went: ``(phase, time.time_ns())`` as each phase ends, in order
+    from ``start_ns`` (pull transports: connect, read, transfer, done; others mark nothing)."""
+
+    start_ns: int
+    marks: list[tuple[str, int]] = field(default_factory=list)
+    reused: bool = False  # the side-channel connection was pooled (no connect, no Hello)
+
+    def mark(self, phase: str) -> None:
+        self.marks.append((phase, time.time_ns()))
+
+    def phases(self) -> list[tuple[str, int, int]]:
+        """``(phase, start_ns, end_ns)`` for each mark."""
+        out, start = [], self.start_ns
+        for phase, end in self.marks:
+            out.append((phase, start, end))
+            start = end
+        return out
+
+
 class Transport(Protocol):
     name: ClassVar[str]
 
@@ -65,9 +88,9 @@ class Transport(Protocol):
         """Prefill: make an offer's blocks available to the decode that holds its token."""
         ...
 
-    def fetch(self, fetch: Fetch, timeout_s: float) -> int:
+    def fetch(self, fetch: Fetch, timeout_s: float, timing: PullTiming | None = None) -> int:
         """Decode: copy a handoff into local blocks within ``timeout_s``; return bytes moved.
-        Raises TransportError (or IncompatiblePeerError)."""
+        Raises TransportError (or IncompatiblePeerError). ``timing`` collects its phases."""
         ...
 
     def take_released(self) -> set[str]:

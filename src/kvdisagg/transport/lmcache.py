@@ -40,7 +40,7 @@ from kvdisagg.errors import (ConfigError, PeerUnreachable, TransferFailed, Trans
                              TransportError)
 from kvdisagg.layout import LayerRegion, check_blocks, copy_runs, run_tensor
 from kvdisagg.protocol import recv_into_exact, recv_into_views, send_views
-from kvdisagg.transport.base import Fetch, Offer
+from kvdisagg.transport.base import Fetch, Offer, PullTiming
 from kvdisagg.transport.pull import Deadline
 from kvdisagg.transport.tcp import host_bytes
 
@@ -256,7 +256,7 @@ class LMCacheTransport:
             out, self._released = self._released, set()
         return out
 
-    def fetch(self, fetch: Fetch, timeout_s: float) -> int:
+    def fetch(self, fetch: Fetch, timeout_s: float, timing: PullTiming | None = None) -> int:
         """Fill local blocks with prompt blocks ``first_block``..; chunks prefill has not
         stored yet are waited for until the deadline."""
         deadline = Deadline(timeout_s, f"fetch of {fetch.handoff_id or 'prefix'} from LMCache")

@@ -34,7 +34,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 from kvdisagg.config import ConnectorConfig
 from kvdisagg.errors import (IncompatiblePeerError, PeerUnreachable, TransferFailed,
@@ -42,8 +42,9 @@ from kvdisagg.errors import (IncompatiblePeerError, PeerUnreachable, TransferFai
 from kvdisagg.layout import CopyRun, LayerRegion, check_blocks, copy_runs, run_bytes
 from kvdisagg.protocol import (PROTOCOL_VERSION, Done, Hello, Read, Renew, Reply, encode_frame,
                                recv_frame, send_frame)
-from kvdisagg.transport.base import Fetch, Offer
 from kvdisagg.threads import start_thread
+from kvdisagg.tracing import Tracer, now_ns
+from kvdisagg.transport.base import Fetch, Offer, PullTiming
 from kvdisagg.transport.handoffs import HandoffTable
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,9 @@ class _Connection:
 
 class PullTransport:
     name: ClassVar[str] = ""
+    # Set by the worker: prefill's serve spans go to its tracer, their durations to its stats.
+    tracer: Tracer = Tracer.disabled()
+    observe: Callable[[str, float], None] = staticmethod(lambda phase, seconds: None)
 
     def __init__(self, config: ConnectorConfig, tp_rank: int = 0) -> None:
         self.config, self.tp_rank = config, tp_rank
@@ -87,6 +91,7 @@ class PullTransport:
         self._closed = False
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._conns_lock = threading.Lock()
+        self._traces: dict[str, str] = {}  # prefill: handoff -> its traceparent, while held
 
     # ---- data-path hooks (override) ------------------------------------------------------
     def attach(self, regions: Sequence[LayerRegion], is_producer: bool) -> None:
@@ -138,12 +143,17 @@ class PullTransport:
         return self._listener.getsockname()[1]
 
     def offer(self, offer: Offer) -> None:
+        if offer.trace:
+            self._traces[offer.handoff_id] = offer.trace
         self.table.add(offer.handoff_id, offer.token, offer.block_ids, offer.lease_s)
 
     def take_released(self) -> set[str]:
-        return self.table.take_finished()
+        released = self.table.take_finished()
+        for handoff_id in released:
+            self._traces.pop(handoff_id, None)
+        return released
 
-    def fetch(self, fetch: Fetch, timeout_s: float) -> int:
+    def fetch(self, fetch: Fetch, timeout_s: float, timing: PullTiming | None = None) -> int:
         deadline = Deadline(timeout_s, f"pull of handoff {fetch.handoff_id} from "
                                        f"{fetch.host}:{fetch.port}")
         key = (fetch.host, fetch.port)
@@ -153,8 +163,12 @@ class PullTransport:
             conn = self._checkout(key, deadline)
             reused = conn.uses > 0
             conn.uses += 1
+            if timing is not None:
+                timing.marks.clear()  # a retry's connect includes the stale attempt
+                timing.reused = reused
+                timing.mark("connect")
             try:
-                nbytes = self._pull(conn, fetch, deadline)
+                nbytes = self._pull(conn, fetch, deadline, timing)
             except _StaleConnection as exc:
                 self._close_connection(conn)
                 self._drop_idle(key)
@@ -239,7 +253,8 @@ class PullTransport:
         finally:
             conn.sock.close()
 
-    def _pull(self, conn: _Connection, fetch: Fetch, deadline: Deadline) -> int:
+    def _pull(self, conn: _Connection, fetch: Fetch, deadline: Deadline,
+              timing: PullTiming | None) -> int:
         sock, where = conn.sock, f"prefill {fetch.host}:{fetch.port}"
         if fetch.kv_layout != self.kv_layout:
             raise IncompatiblePeerError(f"handoff kv_layout {fetch.kv_layout} != decode's "
@@ -267,9 +282,15 @@ class PullTransport:
                 if nbytes != reply.nbytes:
                     raise IncompatiblePeerError(f"{where} sends {reply.nbytes} bytes, "
                                                 f"decode expects {nbytes}")
+                if timing is not None:
+                    timing.mark("read")
                 self.recv(conn.peer, sock, runs, deadline)
+                if timing is not None:
+                    timing.mark("transfer")
             sock.settimeout(deadline.left())
             send_frame(sock, Done(handoff_id=fetch.handoff_id, token=fetch.token))
+            if timing is not None:
+                timing.mark("done")
             return nbytes
         except socket.timeout:
             raise TransferTimeout(f"{deadline.what} exceeded {deadline.seconds:.1f}s") from None
@@ -337,6 +358,7 @@ class PullTransport:
     def _handle(self, peer: Any, sock: socket.socket, msg: object) -> None:
         match msg:
             case Read(handoff_id=rid, token=token, block_ids=src, dst_block_ids=dst):
+                start_ns = now_ns()
                 error = check_blocks(self.regions, src)
                 if not error and len(dst) != len(src):
                     error = f"{len(src)} blocks to read into {len(dst)}"
@@ -359,7 +381,11 @@ class PullTransport:
                     sock.settimeout(deadline.left())
                     done = recv_frame(sock)
                     if isinstance(done, Done) and done.handoff_id == rid:
-                        self.table.release(rid, done.token)
+                        if self.table.release(rid, done.token):
+                            end_ns = now_ns()
+                            self.observe("serve", (end_ns - start_ns) / 1e9)
+                            self.tracer.record("kvdisagg.serve", self._traces.get(rid, ""),
+                                               start_ns, end_ns, {"kvdisagg.handoff": rid})
                     else:
                         raise TransferFailed(f"expected Done for {rid}, got {done!r}")
                 finally:
