@@ -96,6 +96,8 @@ def test_bench_colocated_vs_disaggregated_and_proxy_agrees(bench_fleet, tmp_path
               "--output-len", "uniform:8:32", "--ttft-slo", str(TTFT_S), "--tpot-slo",
               str(TPOT_S), "--proxy-window", str(WINDOW_S), "--timeout", "60", "--quiet",
               "--extra-body", '{"return_token_ids": true}',
+              "--phases-from", bench_fleet.prefill.base_url,
+              "--phases-from", bench_fleet.decode.base_url,
               "--json", "--out", str(out), timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout)
@@ -141,6 +143,23 @@ def test_bench_colocated_vs_disaggregated_and_proxy_agrees(bench_fleet, tmp_path
         # Per token, bench can only count more good requests than per event.
         assert r["attainment"] * r["requests"] >= p["bench_met_both_per_event"]
     assert all(r["proxy"] is None for r in runs if r["endpoint"] == "colocated")
+
+    # The handoff timeline over each run: the proxy's legs for every request, the instances'
+    # phases (published on an interval, so the last few may fall after the closing scrape).
+    assert "handoff phases" in res.stderr
+    d = bench_fleet.decode.base_url
+    for r in runs:
+        phases = {(p["where"], p["phase"]): p for p in r["phases"]}
+        if r["endpoint"] == "colocated":  # the pair served nothing meanwhile
+            assert not any(where == d for where, _ in phases), phases
+            continue
+        legs = phases[(bench_fleet.slo_proxy_url, "prefill leg")]
+        assert legs["count"] == r["requests"] and 0 < legs["mean_s"] < 60
+        assert phases[(bench_fleet.slo_proxy_url, "decode leg to first token")]["count"] == \
+            r["requests"]
+        for phase in ("read", "transfer", "load"):
+            assert 1 <= phases[(d, phase)]["count"] <= r["requests"], phase
+        assert 0 < phases[(d, "transfer")]["mean_s"] < phases[(d, "load")]["mean_s"]
 
 
 def test_profile_fits_live_instance_and_planner_accepts_it(bench_fleet, model: Path,

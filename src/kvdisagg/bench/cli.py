@@ -74,6 +74,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="max silence within a stream, seconds")
     t.add_argument("--connect-timeout", type=float, default=10.0)
     o = p.add_argument_group("output")
+    o.add_argument("--phases-from", action="append", default=[], metavar="URL",
+                   help="a prefill or decode instance whose handoff phases (its "
+                   "vllm:kvdisagg_phase_seconds) the run's breakdown shows, beside the proxy's; "
+                   "repeatable")
     o.add_argument("--proxy-window", type=float, default=60.0, metavar="S",
                    help="the proxy's slo.window_s, to compare its goodput gauge")
     o.add_argument("--out", default="out/bench", metavar="DIR")
@@ -169,6 +173,9 @@ def run(args: argparse.Namespace) -> int:
         raise _fail(f"--extra-body is not JSON: {exc}") from None
     if not isinstance(extra_body, dict):
         raise _fail("--extra-body must be a JSON object")
+    phase_urls = [u.rstrip("/") for u in args.phases_from]
+    if bad := [u for u in phase_urls if not u.startswith(("http://", "https://"))]:
+        raise _fail(f"--phases-from {bad[0]!r}: the URL must start with http:// or https://")
     models = {e.name: args.model or _first_model(e.url, args.connect_timeout) for e in eps}
     # stderr: stdout stays clean for --json; wide when logged, so the tables stay readable
     console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
@@ -207,7 +214,8 @@ def run(args: argparse.Namespace) -> int:
         with report.RunProgress(console, label, len(specs), enabled=not args.quiet) as prog:
             outcome = asyncio.run(run_once(ep, specs, cfg, slo, run=label, rate=ep_rate,
                                            on_done=prog.done, warmup=warm,
-                                           proxy_window_s=args.proxy_window))
+                                           proxy_window_s=args.proxy_window,
+                                           phase_urls=phase_urls))
         for rec in outcome.records:
             records_file.write(enc.encode(rec) + b"\n")
         records_file.flush()
@@ -247,6 +255,8 @@ def run(args: argparse.Namespace) -> int:
                          runs=runs, sweeps=sweeps)
     (out / "summary.json").write_bytes(msgspec.json.format(msgspec.json.encode(result)))
     console.print(report.runs_table(runs, slo))
+    if any(r.phases for r in runs):
+        console.print(report.phases_table(runs))
     if sweeps:
         console.print(report.sweeps_table(sweeps))
     if not args.no_plots:

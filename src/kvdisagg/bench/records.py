@@ -66,6 +66,16 @@ class ProxyView(msgspec.Struct, kw_only=True):
     bench_window_goodput_rps_per_event: float | None = None
 
 
+class PhaseMean(msgspec.Struct, frozen=True):
+    """One phase of the handoff timeline over a run, from the Prometheus histograms of the
+    proxy and of the instances given with ``--phases-from`` (deltas across the run)."""
+
+    where: str  # the URL scraped
+    phase: str
+    count: int
+    mean_s: float
+
+
 class RunSummary(msgspec.Struct, kw_only=True):
     endpoint: str
     url: str
@@ -87,6 +97,7 @@ class RunSummary(msgspec.Struct, kw_only=True):
     throughput_rps: float  # successful requests per second of run
     output_tokens_per_s: float
     proxy: ProxyView | None = None
+    phases: list[PhaseMean] = []  # the handoff timeline's histograms over the run
 
 
 class SweepPoint(msgspec.Struct, frozen=True):

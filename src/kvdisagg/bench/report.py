@@ -72,3 +72,15 @@ def sweeps_table(sweeps: Sequence[SweepResult]) -> Table:
                   "none" if s.max_rate is None else f"{bound}{s.max_rate:.2f}",
                   "none" if s.max_rate_per_gpu is None else f"{bound}{s.max_rate_per_gpu:.2f}")
     return t
+
+
+def phases_table(runs: Sequence[RunSummary]) -> Table:
+    """The handoff timeline of each run: mean per phase, from the histograms (docs/operations.md,
+    "Handoff timeline"); a request's own breakdown is in its trace."""
+    t = Table(title="handoff phases (mean over the run)")
+    for col in ("run", "where", "phase", "count", "mean ms"):
+        t.add_column(col, justify="right" if col in ("count", "mean ms") else "left")
+    for r in runs:
+        for p in r.phases:
+            t.add_row(r.run, p.where, p.phase, str(p.count), f"{p.mean_s * 1e3:.2f}")
+    return t

@@ -73,11 +73,17 @@ def proxy_view(before: scrape.ProxySnapshot | None, after: scrape.ProxySnapshot 
 async def run_once(ep: Endpoint, specs: Sequence[RequestSpec], cfg: ClientConfig, slo: Slo, *,
                    run: str, rate: float | None, on_done: OnDone | None = None,
                    warmup: Sequence[RequestSpec] = (),
-                   proxy_window_s: float | None = None) -> RunOutcome:
+                   proxy_window_s: float | None = None,
+                   phase_urls: Sequence[str] = ()) -> RunOutcome:
+    """``phase_urls``: instances whose handoff-timeline histograms the summary reports, with
+    the endpoint's own (a kvdisagg proxy's)."""
     connector = aiohttp.TCPConnector(limit=0)  # open loop: no client-side queue
+    urls = [ep.url, *phase_urls]
     async with aiohttp.ClientSession(connector=connector) as session:
         await _warmup(session, ep, warmup, cfg)
-        before = scrape.proxy_snapshot(await scrape.fetch(session, ep.url) or [])
+        scraped = [await scrape.fetch(session, u) or [] for u in urls]
+        before = scrape.proxy_snapshot(scraped[0])
+        phases_before = [scrape.phase_totals(s) for s in scraped]
         records = [RequestRecord(endpoint=ep.name, run=run, index=s.index, rate=rate,
                                  scheduled_at_s=s.at_s, sent_at_s=s.at_s,
                                  prompt_len=s.prompt_len, output_len=s.output_len)
@@ -99,8 +105,11 @@ async def run_once(ep: Endpoint, specs: Sequence[RequestSpec], cfg: ClientConfig
         await asyncio.gather(*tasks)
         await asyncio.sleep(SETTLE_S)
         after_at = time.perf_counter() - t0
-        after = scrape.proxy_snapshot(await scrape.fetch(session, ep.url) or [])
+        scraped = [await scrape.fetch(session, u) or [] for u in urls]
+        after = scrape.proxy_snapshot(scraped[0])
     summary = summarize(records, endpoint=ep.name, url=ep.url, run=run, gpus=ep.gpus, rate=rate)
+    summary.phases = [m for u, b, s in zip(urls, phases_before, scraped)
+                      for m in scrape.phase_means(u, b, scrape.phase_totals(s))]
     summary.proxy = proxy_view(before, after, records, summary.duration_s, after_at,
                                proxy_window_s, slo)
     return RunOutcome(records, summary)

@@ -11,6 +11,8 @@ from typing import NamedTuple
 
 import aiohttp
 
+from kvdisagg.bench.records import PhaseMean
+
 _LINE = re.compile(r"^([A-Za-z_:][\w:]*)(\{[^}]*\})?\s+(\S+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 PROXY = "kvdisagg_proxy_"
@@ -70,3 +72,39 @@ async def fetch(session: aiohttp.ClientSession, base_url: str,
             return parse((await r.content.read(16 << 20)).decode("utf-8", "replace"))
     except (aiohttp.ClientError, TimeoutError, ValueError):
         return None
+
+
+# The handoff timeline's histograms: the proxy's own, and vLLM instances' per-phase one.
+PROXY_PHASES = {PROXY + "handoff_seconds": "prefill leg",
+                PROXY + "decode_first_token_seconds": "decode leg to first token"}
+INSTANCE_PHASES = "vllm:kvdisagg_phase_seconds"
+
+
+def phase_totals(samples: list[Sample]) -> dict[str, tuple[float, float]]:
+    """``phase -> (count, sum of seconds)`` of every timeline histogram in ``samples``
+    (summed over an instance's engines)."""
+    out: dict[str, tuple[float, float]] = {}
+    for s in samples:
+        base, _, part = s.name.rpartition("_")
+        if part not in ("count", "sum"):
+            continue
+        if base in PROXY_PHASES:
+            phase = PROXY_PHASES[base]
+        elif base == INSTANCE_PHASES and "phase" in s.labels:
+            phase = s.labels["phase"]
+        else:
+            continue
+        count, total_s = out.get(phase, (0.0, 0.0))
+        out[phase] = (count + s.value, total_s) if part == "count" else (count, total_s + s.value)
+    return out
+
+
+def phase_means(where: str, before: dict[str, tuple[float, float]],
+                after: dict[str, tuple[float, float]]) -> list[PhaseMean]:
+    """What each phase added between two phase_totals of one endpoint."""
+    out = []
+    for phase, (count, total_s) in after.items():
+        c0, s0 = before.get(phase, (0.0, 0.0))
+        if count > c0:
+            out.append(PhaseMean(where, phase, int(count - c0), (total_s - s0) / (count - c0)))
+    return out
