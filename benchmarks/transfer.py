@@ -98,7 +98,9 @@ class Bench:
             fetch, _ = self.fetch_once(remote, local)
             from kvdisagg.transport.pull import Deadline
 
-            conn = self.decode._connection((fetch.host, fetch.port), Deadline(30, "bench"))
+            key = (fetch.host, fetch.port)
+            conn = self.decode._checkout(key, Deadline(30, "bench"))  # a pooled connection
+            self.decode._checkin(key, conn)  # only its peer info is used
             info, engine = conn.peer, self.decode.engine
             from kvdisagg.layout import copy_runs, run_tensor
 

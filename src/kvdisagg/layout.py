@@ -18,7 +18,7 @@ import ctypes
 import hashlib
 import platform
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 
 @dataclass(frozen=True)
@@ -85,9 +85,12 @@ def layout_fingerprint(*, model: str, dtype: str, block_size: int, tp_size: int,
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-@dataclass(frozen=True)
-class CopyRun:
-    """``count`` consecutive blocks of one layer: prefill's ``src``.. into decode's ``dst``.."""
+class CopyRun(NamedTuple):
+    """``count`` consecutive blocks of one layer: prefill's ``src``.. into decode's ``dst``..
+
+    A NamedTuple, not a frozen dataclass: a pull makes one per run per layer on both sides
+    before any byte moves (a thousand for 16 MiB of scattered blocks), and a frozen
+    dataclass costs ~1 us each to build, a tuple ~0.15 us."""
 
     layer: int
     src: int
@@ -107,12 +110,16 @@ def copy_runs(num_layers: int, src_ids: Sequence[int], dst_ids: Sequence[int]) -
     if len(src_ids) != len(dst_ids):
         raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
     pairs: list[tuple[int, int, int]] = []
-    for s, d in zip(src_ids, dst_ids):
-        if pairs and s == pairs[-1][0] + pairs[-1][2] and d == pairs[-1][1] + pairs[-1][2]:
-            pairs[-1] = (pairs[-1][0], pairs[-1][1], pairs[-1][2] + 1)
-        else:
-            pairs.append((s, d, 1))
-    return [CopyRun(layer, s, d, n) for layer in range(num_layers) for s, d, n in pairs]
+    if src_ids:
+        s0, d0, n = src_ids[0], dst_ids[0], 0  # the open run; closed when either side jumps
+        for s, d in zip(src_ids, dst_ids):
+            if s != s0 + n or d != d0 + n:
+                pairs.append((s0, d0, n))
+                s0, d0, n = s, d, 0
+            n += 1
+        pairs.append((s0, d0, n))
+    make = CopyRun._make
+    return [make((layer, *pair)) for layer in range(num_layers) for pair in pairs]
 
 
 def run_tensor(regions: Sequence[LayerRegion], run: CopyRun, side: str) -> Any:
@@ -152,7 +159,8 @@ def stage_into(regions: Sequence[LayerRegion], block_ids: Sequence[int],
 
 
 def run_bytes(regions: Sequence[LayerRegion], runs_: Sequence[CopyRun]) -> int:
-    return sum(regions[r.layer].page_bytes * r.count for r in runs_)
+    pages = [r.page_bytes for r in regions]
+    return sum(pages[run.layer] * run.count for run in runs_)
 
 
 def check_blocks(regions: Sequence[LayerRegion], block_ids: Sequence[int]) -> str:

@@ -211,7 +211,11 @@ def send_views(sock: socket.socket, views: list[memoryview], left: TimeLeft) -> 
 
 def recv_into_views(sock: socket.socket, views: list[memoryview], left: TimeLeft) -> None:
     """Scatter-read exactly ``sum(len(v))`` bytes into ``views`` in order (bounded as
-    send_views)."""
+    send_views).
+
+    Measured and not kept: ``MSG_WAITALL`` on a blocking socket bounded by ``SO_RCVTIMEO``
+    (one call per batch instead of one per ~64 KiB the kernel has ready) moved 1-16 MiB no
+    faster on loopback; the two copies through the kernel dominate, not the Python loop."""
     views, i = list(views), 0
     while i < len(views):
         sock.settimeout(left())

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Sequence
 import msgspec
 
 from kvdisagg.errors import ConfigError, IncompatiblePeerError, TransferFailed
-from kvdisagg.layout import CopyRun, LayerRegion, run_tensor
+from kvdisagg.layout import CopyRun, LayerRegion
 from kvdisagg.transport.pull import Deadline, PullTransport
 
 MAX_BATCH = 512  # the TCP transport fails batches over ~1k entries at once ("queue-full")
@@ -65,15 +65,17 @@ class MooncakeTransport(PullTransport):
             if rc != 0:
                 raise ConfigError(f"mooncake: register_memory of {nbytes} bytes returned {rc}")
             self._registered.append(addr)
+        # This worker's memory: what prefill advertises, and how decode addresses its own side.
+        self._memory = MemoryInfo(
+            endpoint=f"{self.config.side_channel_host}:{self.engine.get_rpc_port()}",
+            bases=[r.pages.data_ptr() for r in regions],
+            page_bytes=[r.page_bytes for r in regions],
+            num_blocks=[r.num_blocks for r in regions],
+            stage_bases=[r.stage.data_ptr() if r.stage_blocks else 0 for r in regions],
+            stage_blocks=[r.stage_blocks for r in regions])
 
     def server_info(self) -> dict[str, Any]:
-        return msgspec.to_builtins(MemoryInfo(
-            endpoint=f"{self.config.side_channel_host}:{self.engine.get_rpc_port()}",
-            bases=[r.pages.data_ptr() for r in self.regions],
-            page_bytes=[r.page_bytes for r in self.regions],
-            num_blocks=[r.num_blocks for r in self.regions],
-            stage_bases=[r.stage.data_ptr() if r.stage_blocks else 0 for r in self.regions],
-            stage_blocks=[r.stage_blocks for r in self.regions]))
+        return msgspec.to_builtins(self._memory)
 
     def open_client(self, sock: socket.socket, info: dict[str, Any], deadline: Deadline) -> Any:
         try:
@@ -91,12 +93,13 @@ class MooncakeTransport(PullTransport):
 
     def recv(self, peer: MemoryInfo, sock: socket.socket, runs: Sequence[CopyRun],
              deadline: Deadline) -> None:
+        # Addresses by arithmetic on each layer's base, not a tensor slice per run (~2 us
+        # each: 2 ms of a 16 MiB pull of scattered blocks went to building these lists).
         local, remote, lengths = [], [], []
         for run in runs:
-            local.append(run_tensor(self.regions, run, "dst").data_ptr())
-            remote.append(_remote_address(peer, run))
-            page = peer.page_bytes[run.layer]
-            lengths.append(run.count * page)
+            local.append(_address(self._memory, run.layer, run.dst, run.count, "decode's"))
+            remote.append(_address(peer, run.layer, run.src, run.count, "prefill's"))
+            lengths.append(run.count * peer.page_bytes[run.layer])
         for i in range(0, len(local), MAX_BATCH):
             deadline.left()
             rc = self.engine.batch_transfer_sync_read(
@@ -113,16 +116,17 @@ class MooncakeTransport(PullTransport):
         self._registered = []
 
 
-def _remote_address(peer: MemoryInfo, run: CopyRun) -> int:
-    """Where prefill's side of ``run`` lives: its pages, or its staging arena."""
-    n, page = peer.num_blocks[run.layer], peer.page_bytes[run.layer]
-    staged = peer.stage_blocks[run.layer] if peer.stage_blocks else 0
-    if run.src + run.count <= n:
-        return peer.bases[run.layer] + run.src * page
-    if run.src >= n and run.src + run.count <= n + staged:
-        return peer.stage_bases[run.layer] + (run.src - n) * page
-    raise TransferFailed(f"mooncake: blocks {run.src}..{run.src + run.count - 1} are not "
-                         f"prefill's ({n} pages, {staged} staged)")
+def _address(memory: MemoryInfo, layer: int, first: int, count: int, whose: str) -> int:
+    """Where blocks ``first..first+count`` of ``layer`` live in ``memory``: its pages, or its
+    staging arena."""
+    n, page = memory.num_blocks[layer], memory.page_bytes[layer]
+    staged = memory.stage_blocks[layer] if memory.stage_blocks else 0
+    if first + count <= n:
+        return memory.bases[layer] + first * page
+    if first >= n and first + count <= n + staged:
+        return memory.stage_bases[layer] + (first - n) * page
+    raise TransferFailed(f"mooncake: blocks {first}..{first + count - 1} are not {whose} "
+                         f"({n} pages, {staged} staged)")
 
 
 def _spans(regions: Sequence[LayerRegion]) -> list[tuple[int, int]]:

@@ -7,24 +7,88 @@ group lives as long as the connection and is dropped with it, so a peer that goe
 group along. vLLM's default group is never touched.
 
 ``ProcessGroupNCCL`` when the KV cache is on CUDA, ``ProcessGroupGloo`` on CPU: the same code,
-tested on CPU with gloo. Each pull is a batch of sends matched by receives in CopyRun order; the
-side channel runs one pull at a time per connection, so batches of two pulls never interleave.
+tested on CPU with gloo. The side channel runs one pull at a time per connection, so the
+messages of two pulls never interleave.
+
+A pull is a few gathered messages, not one message per CopyRun: both sides cut the same CopyRun
+list into the same Messages (plan_messages: each layer's block rows in run order, consecutive
+layers packed together, capped at MESSAGE_BYTES). Prefill gathers a message's rows into one
+buffer on the KV's device and sends it; decode receives into one buffer and scatters the rows
+into its blocks (on CUDA ``index_select`` / ``index_copy_`` per layer; on CPU a ``memmove`` per
+span, see _host_copy). A side whose rows of a message are one range of consecutive blocks (decode's
+fresh blocks, often) sends or receives in place instead, with no copy. A 16 MiB pull of scattered
+blocks is then 4 messages instead of a thousand. On GPUs with NCCL this means one kernel launch
+and one network message per ~32 MiB instead of one per run, for a gather and a scatter copy in
+device memory at HBM speed (TB/s, far above any link). Each side posts at most IN_FLIGHT messages
+ahead, which bounds the extra memory a pull holds (on CUDA a wait only orders streams, so freed
+buffers are reused once NCCL's stream is done with them, as the caching allocator tracks).
 """
 
 from __future__ import annotations
 
+import array
+import ctypes
 import datetime
 import secrets
 import socket
-from typing import Any, ClassVar, Sequence
+from collections import deque
+from typing import Any, ClassVar, NamedTuple, Sequence
 
 import msgspec
 import torch
 import torch.distributed as dist
 
 from kvdisagg.errors import IncompatiblePeerError, TransferFailed, TransferTimeout
-from kvdisagg.layout import CopyRun, LayerRegion, run_tensor
+from kvdisagg.layout import CopyRun, LayerRegion
 from kvdisagg.transport.pull import Deadline, PullTransport
+
+
+MESSAGE_BYTES = {"gloo": 4 << 20, "nccl": 32 << 20}
+"""Most bytes per message. Gloo moves 2-8 MiB messages twice as fast on loopback as one of
+16 MiB or more (measured: 2.8 vs 1.2 GB/s), and pipelines a pull's messages; NCCL only needs
+enough to amortise a launch. Both sides use their common backend's value."""
+IN_FLIGHT = 4  # messages posted ahead of the one being waited for: bounds the buffers held
+
+
+class Segment(NamedTuple):
+    """One layer's rows of a message, on one side (block ids, in CopyRun order)."""
+
+    layer: int
+    ids: list[int]
+
+
+def plan_messages(runs: Sequence[CopyRun], side: str, page_bytes: Sequence[int],
+                  max_bytes: int) -> list[list[Segment]]:
+    """Cut a pull into messages of at most ``max_bytes`` (or one block, if larger).
+
+    Both sides call this on the same CopyRun list with the same sizes, so the k-th message
+    holds the same rows, in the same order, on both: prefill's ids on ``side="src"``, decode's
+    on ``"dst"``. Layers are packed together while they fit; a layer that does not fit is split.
+
+    >>> from kvdisagg.layout import copy_runs
+    >>> runs = copy_runs(2, [3, 4, 9], [0, 1, 2])
+    >>> plan_messages(runs, "src", [8, 8], 48)
+    [[Segment(layer=0, ids=[3, 4, 9]), Segment(layer=1, ids=[3, 4, 9])]]
+    >>> plan_messages(runs, "dst", [8, 8], 16)
+    [[Segment(layer=0, ids=[0, 1])], [Segment(layer=0, ids=[2]), Segment(layer=1, ids=[0])], \
+[Segment(layer=1, ids=[1, 2])]]
+    """
+    messages: list[list[Segment]] = []
+    room = 0  # bytes left in the last message
+    on_src = side == "src"
+    for run in runs:
+        page, first, count = page_bytes[run.layer], run.src if on_src else run.dst, run.count
+        while count:
+            if room < page:
+                messages.append([])
+                room = max(max_bytes, page)
+            take = min(count, room // page)
+            message = messages[-1]
+            if not message or message[-1].layer != run.layer:
+                message.append(Segment(run.layer, []))
+            message[-1].ids.extend(range(first, first + take))
+            first, count, room = first + take, count - take, room - take * page
+    return messages
 
 
 class GroupInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -105,13 +169,92 @@ class NcclTransport(PullTransport):
     def send(self, peer: Any, sock: socket.socket, runs: Sequence[CopyRun],
              deadline: Deadline, grant: bytes) -> None:
         sock.sendall(grant)
-        self._wait([peer.send([run_tensor(self.regions, run, "src")], 1, i)
-                    for i, run in enumerate(runs)], deadline)
+        pending: deque[Any] = deque()  # posted sends; each holds its buffer until sent
+        for k, message in enumerate(self._plan(runs, "src")):
+            if len(pending) == IN_FLIGHT:
+                self._wait([pending.popleft()], deadline)
+            direct = self._direct(message)
+            pending.append(peer.send([self._gather(message) if direct is None else direct],
+                                     1, k))
+        self._wait(list(pending), deadline)
 
     def recv(self, peer: Any, sock: socket.socket, runs: Sequence[CopyRun],
              deadline: Deadline) -> None:
-        self._wait([peer.recv([run_tensor(self.regions, run, "dst")], 0, i)
-                    for i, run in enumerate(runs)], deadline)
+        messages = self._plan(runs, "dst")
+
+        def post(k: int) -> tuple[list[Segment], torch.Tensor | None, Any]:
+            direct = self._direct(messages[k])  # None: into a buffer, scattered once here
+            buf = self._buffer(messages[k]) if direct is None else None
+            return messages[k], buf, peer.recv([direct if buf is None else buf], 0, k)
+
+        pending = deque(post(k) for k in range(min(IN_FLIGHT, len(messages))))
+        posted = len(pending)
+        while pending:  # scatter each message while the next ones arrive
+            message, buf, work = pending.popleft()
+            self._wait([work], deadline)
+            if posted < len(messages):
+                pending.append(post(posted))
+                posted += 1
+            if buf is not None:
+                self._scatter(message, buf)
+
+    def _plan(self, runs: Sequence[CopyRun], side: str) -> list[list[Segment]]:
+        return plan_messages(runs, side, [r.page_bytes for r in self.regions],
+                             MESSAGE_BYTES[self.backend])
+
+    def _direct(self, message: list[Segment]) -> torch.Tensor | None:
+        """The KV rows themselves if ``message`` is one layer's consecutive paged blocks (a
+        contiguous range): sent or received in place, with no gather or scatter copy. Each side
+        decides for itself; the peer sees the same bytes either way."""
+        if len(message) != 1:
+            return None
+        region, ids = self.regions[message[0].layer], message[0].ids
+        first = ids[0]
+        if first + len(ids) > region.num_blocks or ids != list(range(first, first + len(ids))):
+            return None
+        return region.pages[first:first + len(ids)]
+
+    def _buffer(self, message: list[Segment]) -> torch.Tensor:
+        """One flat buffer for ``message``, on the KV's device."""
+        nbytes = sum(len(seg.ids) * self.regions[seg.layer].page_bytes for seg in message)
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.regions[0].pages.device)
+
+    def _parts(self, message: list[Segment], buf: torch.Tensor) -> list[torch.Tensor]:
+        """``buf`` cut into each segment's rows ``[len(ids), page_bytes]``."""
+        parts, offset = [], 0
+        for seg in message:
+            page = self.regions[seg.layer].page_bytes
+            parts.append(buf[offset:offset + len(seg.ids) * page].view(len(seg.ids), page))
+            offset += len(seg.ids) * page
+        return parts
+
+    def _gather(self, message: list[Segment]) -> torch.Tensor:
+        buf = self._buffer(message)
+        for seg, rows in zip(message, self._parts(message, buf)):
+            region = self.regions[seg.layer]
+            n = region.num_blocks
+            if buf.device.type == "cpu":
+                _host_copy(region, seg.ids, rows.data_ptr(), into_kv=False)
+            elif max(seg.ids) < n:
+                torch.index_select(region.pages, 0, _index(seg.ids, buf.device), out=rows)
+            elif min(seg.ids) >= n:  # a staged handoff: the arena is pinned host memory
+                index = _index([i - n for i in seg.ids], region.stage.device)
+                rows.copy_(region.stage.index_select(0, index))
+            else:  # part staged, part paged: row by row (the worker stages whole handoffs)
+                for row, block in zip(rows, seg.ids):
+                    row.copy_(region.rows(block, 1)[0])
+        return buf
+
+    def _scatter(self, message: list[Segment], buf: torch.Tensor) -> None:
+        for seg, rows in zip(message, self._parts(message, buf)):
+            region = self.regions[seg.layer]
+            if buf.device.type == "cpu":
+                _host_copy(region, seg.ids, rows.data_ptr(), into_kv=True)
+            elif max(seg.ids) < region.num_blocks:
+                region.pages.index_copy_(0, _index(seg.ids, buf.device), rows)
+            else:  # decode has no arena today; row by row if it ever does
+                for row, block in zip(rows, seg.ids):
+                    region.rows(block, 1)[0].copy_(row)
 
     def _wait(self, works: list[Any], deadline: Deadline) -> None:
         try:
@@ -123,3 +266,44 @@ class NcclTransport(PullTransport):
                 raise TransferTimeout(f"{deadline.what}: {exc}") from None
             raise TransferFailed(f"{deadline.what}: {self.backend} transfer failed: {exc}"
                                  ) from None
+
+
+def _index(ids: list[int], device: torch.device) -> torch.Tensor:
+    """``ids`` as an index tensor on ``device`` (from an array: 4x faster than from a list)."""
+    return torch.frombuffer(array.array("q", ids), dtype=torch.long).to(device)
+
+
+def spans(ids: Sequence[int], limit: int) -> list[tuple[int, int]]:
+    """``(first, count)`` of each run of consecutive ids, never across ``limit`` (where the
+    pages end and the arena begins).
+
+    >>> spans([4, 5, 6, 9, 10, 11], 10)
+    [(4, 3), (9, 1), (10, 2)]
+    """
+    out: list[tuple[int, int]] = []
+    for i in ids:
+        if out and i == out[-1][0] + out[-1][1] and i != limit:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((i, 1))
+    return out
+
+
+def _host_copy(region: LayerRegion, ids: Sequence[int], buf: int, into_kv: bool) -> None:
+    """Copy blocks ``ids`` of a CPU region to (or from) consecutive rows at address ``buf``.
+
+    One ``memmove`` per span through ctypes, not a torch index op: a torch index kernel on CPU
+    runs an OpenMP team, and with prefill's and decode's teams on shared cores every transfer
+    crawled (1 MiB pulls took 7 ms instead of 0.8); ctypes also releases the GIL (see
+    layout.stage_into, which copies the same way for the same reason)."""
+    page, n = region.page_bytes, region.num_blocks
+    for first, count in spans(ids, n):
+        if first < n:
+            kv = region.pages.data_ptr() + first * page
+        else:
+            kv = region.stage.data_ptr() + (first - n) * page
+        if into_kv:
+            ctypes.memmove(kv, buf, count * page)
+        else:
+            ctypes.memmove(buf, kv, count * page)
+        buf += count * page

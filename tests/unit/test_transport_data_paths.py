@@ -1,0 +1,210 @@
+"""Data-path helpers of the pull transports: each side derives the same bytes from the same runs.
+
+The conformance tests move real bytes between processes; these pin the pure pieces they rest on
+(message plans, spans, byte views, addresses), with seeded random block lists.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from kvdisagg.config import ConnectorConfig
+from kvdisagg.errors import TransferFailed
+from kvdisagg.layout import LayerRegion, copy_runs, layer_regions, with_arena
+from kvdisagg.transport.mooncake import MemoryInfo, _address
+from kvdisagg.transport import nccl
+from kvdisagg.transport.nccl import NcclTransport, plan_messages, spans
+from kvdisagg.transport.pull import Deadline
+from kvdisagg.transport.tcp import TcpTransport
+
+
+class Seeded(random.Random):
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        self.seed_value = seed
+
+    def __repr__(self) -> str:
+        return f"Seeded({self.seed_value})"
+
+
+@pytest.fixture(params=range(8))
+def rng(request: pytest.FixtureRequest) -> Seeded:
+    return Seeded(request.param)
+
+
+def random_pull(rng: random.Random, num_blocks: int) -> tuple[list[int], list[int]]:
+    """A handoff's blocks (scattered, with some consecutive stretches) and decode's blocks."""
+    n = rng.randint(1, num_blocks // 2)
+    src = sorted(rng.sample(range(num_blocks), n)) if rng.random() < 0.5 else \
+        rng.sample(range(num_blocks), n)
+    start = rng.randint(0, num_blocks - n)
+    dst = list(range(start, start + n)) if rng.random() < 0.5 else rng.sample(range(num_blocks), n)
+    return src, dst
+
+
+def kv(num_blocks: int, layers: int = 3, seed: int | None = 0, arena: int = 0
+       ) -> list[LayerRegion]:
+    g = torch.Generator().manual_seed(seed or 0)
+    caches = {f"layer.{i}": (torch.rand((num_blocks, 2, 4, 8), generator=g) if seed is not None
+                             else torch.zeros((num_blocks, 2, 4, 8))) for i in range(layers)}
+    regions = layer_regions(caches)
+    if arena:
+        regions = with_arena(regions, arena)
+        for r in regions:
+            r.stage.copy_(torch.randint(0, 256, r.stage.shape, dtype=torch.uint8, generator=g))
+    return regions
+
+
+def row(region: LayerRegion, block: int) -> torch.Tensor:
+    return region.rows(block, 1)[0]
+
+
+# ---- nccl: message plans ----------------------------------------------------------------------
+
+
+def test_plan_messages_cover_every_row_in_order_within_the_cap(rng: Seeded) -> None:
+    src, dst = random_pull(rng, 64)
+    pages = [rng.choice([8, 16]) for _ in range(3)]
+    cap = rng.choice([8, 40, 100, 10_000])
+    runs = copy_runs(3, src, dst)
+    plans = {side: plan_messages(runs, side, pages, cap) for side in ("src", "dst")}
+    for side, ids in (("src", src), ("dst", dst)):
+        flat = [(seg.layer, i) for message in plans[side] for seg in message for i in seg.ids]
+        assert flat == [(layer, i) for layer in range(3) for i in ids], rng
+    for message in plans["src"]:
+        nbytes = sum(len(seg.ids) * pages[seg.layer] for seg in message)
+        assert nbytes <= max(cap, max(pages)), rng
+        assert all(seg.ids for seg in message)
+    # The two sides' k-th messages hold the same layers and row counts: same bytes, same order.
+    shape = {side: [[(seg.layer, len(seg.ids)) for seg in m] for m in plans[side]]
+             for side in plans}
+    assert shape["src"] == shape["dst"], rng
+
+
+def test_plan_messages_split_a_layer_larger_than_the_cap() -> None:
+    runs = copy_runs(1, [0, 1, 2, 3, 4], [5, 6, 7, 8, 9])
+    plan = plan_messages(runs, "dst", [10], 25)
+    assert [[seg.ids for seg in m] for m in plan] == [[[5, 6]], [[7, 8]], [[9]]]
+
+
+@pytest.mark.parametrize("ids, limit, expected", [
+    ([], 4, []),
+    ([3], 4, [(3, 1)]),
+    ([1, 2, 3, 4, 5], 4, [(1, 3), (4, 2)]),  # pages end at 4: the arena starts a new span
+    ([5, 4, 6, 7], 100, [(5, 1), (4, 1), (6, 2)]),
+])
+def test_spans_coalesce_consecutive_ids_but_not_across_the_arena(ids, limit, expected) -> None:
+    assert spans(ids, limit) == expected
+
+
+# ---- nccl: gather, send, receive, scatter ------------------------------------------------------
+
+
+class FakeGroup:
+    """Two ranks' sends and receives in one process: receive copies what was sent with its tag."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, torch.Tensor] = {}
+        self.messages = 0
+
+    class Work:
+        def __init__(self, done: Any = None) -> None:
+            self.done = done
+
+        def wait(self, timeout: Any = None) -> bool:
+            if self.done:
+                self.done()
+            return True
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Work:
+        assert tensors[0].is_contiguous()
+        self.sent[tag] = tensors[0].clone()
+        self.messages += 1
+        return self.Work()
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Work:
+        def done() -> None:
+            sent = self.sent.pop(tag)
+            assert sent.nbytes == tensors[0].nbytes, (tag, sent.nbytes, tensors[0].nbytes)
+            tensors[0].view(-1).view(torch.uint8).copy_(sent.view(-1).view(torch.uint8))
+        return self.Work(done)
+
+
+class Sock:
+    def sendall(self, data: bytes) -> None:
+        pass
+
+
+def nccl_side(regions: list[LayerRegion]) -> NcclTransport:
+    transport = NcclTransport(ConnectorConfig())
+    transport.regions, transport.backend = regions, "gloo"
+    return transport
+
+
+@pytest.mark.parametrize("cap", [3 * 256, 4 << 20])  # 3 pages per message (in place if
+@pytest.mark.parametrize("staged", [False, True])  # consecutive), or one message in all
+def test_nccl_pull_moves_each_block_into_its_destination(rng: Seeded, staged: bool, cap: int,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(nccl.MESSAGE_BYTES, "gloo", cap)
+    src_regions = kv(40, seed=rng.seed_value + 1, arena=16 if staged else 0)
+    dst_regions = kv(40, seed=None)
+    src, dst = random_pull(rng, 32)
+    if staged:
+        src = [40 + i for i in rng.sample(range(16), min(len(src), 16))]
+        dst = dst[:len(src)]
+    runs = copy_runs(3, src, dst)
+    group = FakeGroup()
+    nccl_side(src_regions).send(group, Sock(), runs, Deadline(5, "test"), b"")
+    nccl_side(dst_regions).recv(group, Sock(), runs, Deadline(5, "test"))
+    assert not group.sent
+    for s_region, d_region in zip(src_regions, dst_regions):
+        for s, d in zip(src, dst):
+            assert torch.equal(row(d_region, d), row(s_region, s)), (rng, s, d)
+        untouched = set(range(40)) - set(dst)
+        assert all(int(row(d_region, b).count_nonzero()) == 0 for b in untouched), rng
+
+
+def test_nccl_pull_is_one_message_per_cap_not_per_run() -> None:
+    src_regions, dst_regions = kv(64, seed=1), kv(64, seed=None)
+    src, dst = list(range(0, 64, 2)), list(range(32))  # 32 runs per layer
+    runs = copy_runs(3, src, dst)
+    group = FakeGroup()
+    nccl_side(src_regions).send(group, Sock(), runs, Deadline(5, "test"), b"")
+    nccl_side(dst_regions).recv(group, Sock(), runs, Deadline(5, "test"))
+    assert len(runs) == 96 and group.messages == 1
+
+
+# ---- tcp: byte views ---------------------------------------------------------------------------
+
+
+def test_tcp_views_are_the_runs_bytes_in_order_merged(rng: Seeded) -> None:
+    regions = kv(40, seed=rng.seed_value, arena=8)
+    transport = TcpTransport(ConnectorConfig())
+    transport.regions = regions
+    transport.attach(regions, is_producer=True)
+    src, dst = random_pull(rng, 48)
+    runs = copy_runs(3, src, dst)
+    for side, ids in (("src", src), ("dst", dst)):
+        views = transport._views(runs, side)
+        assert views is not None
+        expected = b"".join(row(r, b).numpy().tobytes() for r in regions for b in ids)
+        assert b"".join(bytes(v) for v in views) == expected, rng
+        assert len(views) <= len(runs)
+
+
+# ---- mooncake: addresses -----------------------------------------------------------------------
+
+
+def test_mooncake_address_of_pages_arena_and_out_of_range() -> None:
+    memory = MemoryInfo(endpoint="", bases=[1000, 5000], page_bytes=[10, 20],
+                        num_blocks=[4, 4], stage_bases=[9000, 9500], stage_blocks=[2, 2])
+    assert _address(memory, 1, 2, 2, "x") == 5000 + 2 * 20
+    assert _address(memory, 0, 5, 1, "x") == 9000 + 10
+    with pytest.raises(TransferFailed, match="3..4 are not prefill's"):
+        _address(memory, 0, 3, 2, "prefill's")  # straddles pages and arena
+    with pytest.raises(TransferFailed, match="not decode's"):
+        _address(memory, 0, 6, 1, "decode's")
