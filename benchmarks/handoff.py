@@ -21,6 +21,7 @@ The overhead is P/D TTFT minus prefill alone; the trace of each P/D request says
     first-tok   load seen .. decode's first token event at the proxy (a decode step)
     relay       proxy's first token .. the client's
     read>serve  (within read) the Read sent .. prefill's serving thread received it
+    pin-wait    (within read) prefill waiting for the handoff (offered in its next step)
     pull        queue + connect + read + transfer + done
 
 Goal (issue 12): overhead p50 <= pull + 8 ms at 1000 and 2000 tokens.
@@ -48,7 +49,7 @@ from kvdisagg.testing.tiny_model import ensure_tiny_model  # noqa: E402
 from tests.support.otlp_sink import OtlpSink, SpanRecord, by_trace  # noqa: E402
 
 PHASES = ["in", "accept", "prefill", "between", "admit", "to-worker", "queue", "connect", "read",
-          "transfer", "done", "noticed", "first-tok", "relay", "read>serve"]
+          "transfer", "done", "noticed", "first-tok", "relay", "read>serve", "pin-wait"]
 PULL = ["queue", "connect", "read", "transfer", "done"]
 MAX_LEN = 8192
 
@@ -103,6 +104,8 @@ def phases_of(trace: list[SpanRecord], sent_ns: int, client_first_ns: int) -> di
     if "kvdisagg.serve" in s:  # the Read in flight until prefill's serving thread had it
         marks["read>serve"] = (s["read"].start_ns, s["kvdisagg.serve"].start_ns)
     out = {k: (b - a) / 1e6 for k, (a, b) in marks.items()}
+    if "kvdisagg.serve" in s:
+        out["pin-wait"] = s["kvdisagg.serve"].attributes.get("kvdisagg.pin_wait_ms", 0.0)
     out["pull"] = sum(out[p] for p in PULL)
     return out
 

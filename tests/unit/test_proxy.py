@@ -551,7 +551,7 @@ def test_kv_both_serves_either_side() -> None:
         await srv.start_server()
         url = str(srv.make_url("")).rstrip("/")
         cfg = ProxyConfig(instances=[InstanceSpec(url=url, role=Role.BOTH)])
-        client = TestClient(TestServer(make_app(config=cfg, tracer=tracer), host="127.0.0.1"))
+        client = TestClient(TestServer(make_app(config=cfg), host="127.0.0.1"))
         await client.start_server()
         try:
             r = await client.post("/v1/completions", json=GEN)

@@ -368,6 +368,7 @@ class PullTransport:
                     # long as a transfer may take; decode's own deadline bounds it too.
                     error = self.table.pin(rid, token, src,
                                            self.config.transfer_timeout_seconds)
+                pinned_ns = now_ns()
                 if error:
                     send_frame(sock, Reply(ok=False, error=error))
                     return
@@ -385,7 +386,10 @@ class PullTransport:
                             end_ns = now_ns()
                             self.observe("serve", (end_ns - start_ns) / 1e9)
                             self.tracer.record("kvdisagg.serve", self._traces.get(rid, ""),
-                                               start_ns, end_ns, {"kvdisagg.handoff": rid})
+                                               start_ns, end_ns, {
+                                                   "kvdisagg.handoff": rid,
+                                                   "kvdisagg.pin_wait_ms":
+                                                       (pinned_ns - start_ns) / 1e6})
                     else:
                         raise TransferFailed(f"expected Done for {rid}, got {done!r}")
                 finally:
