@@ -67,7 +67,7 @@ class Tracer:
         url = endpoint.rstrip("/")
         if not url.endswith("/v1/traces"):
             url += "/v1/traces"
-        return cls.with_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url),
+        return cls.with_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url, timeout=5),
                                                      schedule_delay_millis=EXPORT_DELAY_MS),
                                   service)
 

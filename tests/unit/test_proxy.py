@@ -135,6 +135,9 @@ def test_request_spans_nest_and_carry_their_context_to_both_legs() -> None:
             assert d["body"]["kv_transfer_params"] == {**env.prefill[0].kv_params(),
                                                        TRACE_PARAMS_KEY: d_trace}
             assert "1" * 32 not in env.prefill[0].seen[1]["raw"].decode()
+            # and as HTTP headers, for vLLM's own tracing
+            assert p["headers"]["traceparent"] == p_trace
+            assert d["headers"]["traceparent"] == d_trace
         spans = {s.name: s for s in exporter.get_finished_spans()
                  if s.context.trace_id == int(client_trace, 16)}
         assert set(spans) == {"kvdisagg.request", "prefill_leg", "decode_leg"}

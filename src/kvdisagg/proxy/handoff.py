@@ -249,9 +249,10 @@ class Handoff:
         """
         t = self.cfg.timeouts
         tokens = body.route.prompt_tokens
-        leg = self.tracer.start("prefill_leg", traceparent_of(root),
-                                attributes={"kvdisagg.instance": inst.url}) if root else None
+        leg = None if root is None else self.tracer.start(
+            "prefill_leg", traceparent_of(root), attributes={"kvdisagg.instance": inst.url})
         pbody = bodies.prefill_body(body, traceparent_of(leg))
+        headers = _traced(headers, leg)
         start = _now()
         inst.start(Side.PREFILL, tokens)
         outcome = Outcome.BROKEN
@@ -321,14 +322,15 @@ class Handoff:
                     "rate_limit_exceeded"), "shed"
             if tried:
                 tried[-1].retries[Side.DECODE] += 1
-            leg = self.tracer.start("decode_leg", traceparent_of(root), attributes={
-                "kvdisagg.instance": inst.url, "kvdisagg.mode": pre.mode}) if root else None
+            leg = None if root is None else self.tracer.start(
+                "decode_leg", traceparent_of(root),
+                attributes={"kvdisagg.instance": inst.url, "kvdisagg.mode": pre.mode})
             dbody = bodies.decode_body(body, pre.kv, traceparent_of(leg))
             leg_start = _now()
             inst.start(Side.DECODE, tokens)
             try:
                 # Headers may come only when generation is done (vLLM, not streamed).
-                resp = await inst.pool.request(b"POST", path, dbody, headers,
+                resp = await inst.pool.request(b"POST", path, dbody, _traced(headers, leg),
                                                connect_s=min(t.decode_connect_s, left),
                                                headers_s=left)
             except UpstreamError as exc:
@@ -504,6 +506,14 @@ class Handoff:
                 inst.observe_tpot(tpot)
             m.judge(inst.url, e2e, ttft, tpot, None)
         return out, outcome
+
+
+def _traced(headers: bytes, leg: object) -> bytes:
+    """A leg's headers with its W3C ``traceparent``: vLLM's own tracing (``--otlp-traces-
+    endpoint``) then nests its request span under the leg."""
+    if leg is None:
+        return headers
+    return headers + b"traceparent: %s\r\n" % traceparent_of(leg).encode()
 
 
 class _Stream(web.StreamResponse):
