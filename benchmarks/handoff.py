@@ -46,7 +46,7 @@ from urllib.parse import urlsplit
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support: the collector
 from kvdisagg.testing.fleet import Fleet  # noqa: E402
 from kvdisagg.testing.tiny_model import ensure_tiny_model  # noqa: E402
-from tests.support.otlp_sink import OtlpSink, SpanRecord, by_trace  # noqa: E402
+from tests.support.otlp_sink import OtlpSink, SpanRecord, by_request  # noqa: E402
 
 PHASES = ["in", "accept", "prefill", "between", "admit", "to-worker", "queue", "connect", "read",
           "transfer", "done", "noticed", "first-tok", "relay", "read>serve", "pin-wait"]
@@ -154,13 +154,11 @@ def main() -> None:
                 results[n] = rows
             want = {r["rid"] for rows in results.values() for r in rows}
             spans = sink.wait_for(lambda sp: want <= _complete(sp), timeout_s=30)
-    traces = by_trace(spans)
-    root_of = {s.attributes.get("kvdisagg.request_id"): s.trace_id for s in spans
-               if s.name == "kvdisagg.request"}
+    traces = by_request(spans)
     table = []
     for n, rows in results.items():
         for r in rows:
-            trace = traces.get(root_of.get(r["rid"], ""), [])
+            trace = traces.get(r["rid"], [])
             if _complete_trace(trace):
                 r.update(phases_of(trace, r["sent_ns"], r["client_first_ns"]))
         traced = [r for r in rows if "pull" in r]
@@ -185,9 +183,7 @@ def _complete_trace(trace: list[SpanRecord]) -> bool:
 
 def _complete(spans: list[SpanRecord]) -> set[str]:
     """Request ids whose trace has every span the breakdown needs."""
-    traces = by_trace(spans)
-    return {s.attributes.get("kvdisagg.request_id") for s in spans
-            if s.name == "kvdisagg.request" and _complete_trace(traces[s.trace_id])}
+    return {rid for rid, trace in by_request(spans).items() if _complete_trace(trace)}
 
 
 def _print(table: list[dict[str, Any]]) -> None:

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from kvdisagg.errors import ConfigError
+from kvdisagg.tracing import OtlpEndpoint
 
 LMCACHE_URL = re.compile(r"lm://(?P<host>[\w.\-]+|\[[0-9a-fA-F:]+\]):(?P<port>\d{1,5})")
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
@@ -48,7 +49,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """LMCache server for ``transport: lmcache``, ``lm://host:port``."""
     lmcache_chunk_tokens: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 256
     """Tokens per stored chunk (a multiple of vLLM's block size); keys hash the token prefix."""
-    otlp_traces_endpoint: Annotated[str, msgspec.Meta(pattern=r"^(https?://\S+)?$")] = ""
+    otlp_traces_endpoint: OtlpEndpoint = ""
     """OTLP/HTTP collector (``http://host:4318``) for the handoff's spans (tracing.py); ''
     (default): no spans. Needs ``kvdisagg[tracing]``."""
 

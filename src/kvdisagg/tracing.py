@@ -22,10 +22,14 @@ from __future__ import annotations
 import logging
 import re
 import time
-from typing import Any, Mapping
+from typing import Annotated, Any, Mapping
+
+import msgspec
 
 logger = logging.getLogger(__name__)
 
+OtlpEndpoint = Annotated[str, msgspec.Meta(pattern=r"^(https?://\S+)?$")]
+"""A config value naming an OTLP/HTTP collector, or '' for none."""
 TRACE_PARAMS_KEY = "kvdisagg_trace"
 TRACEPARENT = re.compile(r"00-[0-9a-f]{32}-[0-9a-f]{16}-0[01]")
 EXPORT_DELAY_MS = 500  # a span reaches the collector within about this

@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from tests.support.otlp_sink import SpanRecord, by_trace
+from tests.support.otlp_sink import SpanRecord, by_request
 
 from .conftest import metric, poke, prompt_ids
 
@@ -42,19 +42,14 @@ def test_each_request_is_one_trace_across_processes(fleet, otlp_sink):
     for i, rid in enumerate(rids):
         assert len(stream(fleet.proxy_url, prompt_ids(300 + i, seed=700 + i), rid)) == 4
 
-    def roots(spans: list[SpanRecord]) -> dict[str, str]:
-        return {s.attributes.get("kvdisagg.request_id"): s.trace_id for s in spans
-                if s.name == "kvdisagg.request"}
-
     def all_in(spans: list[SpanRecord]) -> bool:
-        traces, ids = by_trace(spans), roots(spans)
-        return all(rid in ids and complete(traces[ids[rid]]) for rid in rids)
+        traces = by_request(spans)
+        return all(rid in traces and complete(traces[rid]) for rid in rids)
 
-    spans = otlp_sink.wait_for(all_in, timeout_s=30)
-    traces, ids = by_trace(spans), roots(spans)
+    traces = by_request(otlp_sink.wait_for(all_in, timeout_s=30))
     for rid in rids:
-        assert rid in ids, f"no trace for {rid}"
-        trace = {s.name: s for s in traces[ids[rid]]}
+        assert rid in traces, f"no trace for {rid}"
+        trace = {s.name: s for s in traces[rid]}
         assert complete(list(trace.values())), sorted(trace)
         root, pre, dec = trace["kvdisagg.request"], trace["prefill_leg"], trace["decode_leg"]
         load, pull, serve = trace["kvdisagg.load"], trace["kvdisagg.pull"], trace["kvdisagg.serve"]

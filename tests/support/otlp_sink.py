@@ -104,8 +104,11 @@ class OtlpSink:
         self._server.server_close()
 
 
-def by_trace(spans: list[SpanRecord]) -> dict[str, list[SpanRecord]]:
-    out: dict[str, list[SpanRecord]] = {}
+def by_request(spans: list[SpanRecord]) -> dict[str, list[SpanRecord]]:
+    """Each request's spans (its whole trace), by the id the proxy's root span carries
+    (the client's X-Request-Id)."""
+    traces: dict[str, list[SpanRecord]] = {}
     for s in spans:
-        out.setdefault(s.trace_id, []).append(s)
-    return out
+        traces.setdefault(s.trace_id, []).append(s)
+    return {s.attributes["kvdisagg.request_id"]: traces[s.trace_id] for s in spans
+            if s.name == "kvdisagg.request" and "kvdisagg.request_id" in s.attributes}

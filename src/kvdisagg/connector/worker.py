@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -136,7 +135,6 @@ class DisaggWorker:
         if load.transport != self.transport.name:
             raise KvDisaggError(f"prefill uses transport {load.transport!r}, this decode "
                                 f"instance {self.transport.name!r}")
-        start = time.perf_counter()
         timing = PullTiming(now_ns())
         span = self.tracer.start("kvdisagg.pull", load.trace, submitted_ns,
                                  {"kvdisagg.handoff": load.handoff_id,
@@ -153,7 +151,7 @@ class DisaggWorker:
                 self.stats.add(pull_failures=1)
             end(span, error=str(exc)[:200])
             raise
-        elapsed = time.perf_counter() - start
+        elapsed = (now_ns() - timing.start_ns) / 1e9
         phases = [("queue", submitted_ns, timing.start_ns), *timing.phases()]
         with self._lock:
             self.stats.add(pulls=1, pulled_bytes=nbytes, pull_seconds=elapsed,

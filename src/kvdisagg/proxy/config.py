@@ -19,6 +19,7 @@ import msgspec
 import yaml
 
 from kvdisagg.errors import ConfigError
+from kvdisagg.tracing import OtlpEndpoint
 
 
 class Role(str, enum.Enum):
@@ -199,7 +200,7 @@ class ProxyConfig(_Base):
     max_in_flight: Annotated[int, msgspec.Meta(ge=0)] = 0
     """Client requests served at once; more get 503 with Retry-After. 0: no bound (each vLLM
     instance queues what it cannot run yet, as a single instance would)."""
-    otlp_traces_endpoint: Annotated[str, msgspec.Meta(pattern=r"^(https?://\S+)?$")] = ""
+    otlp_traces_endpoint: OtlpEndpoint = ""
     """OTLP/HTTP collector (``http://host:4318``) for each request's spans, joined by the
     instances' (their connector's ``otlp_traces_endpoint``); '' (default): no spans."""
 
