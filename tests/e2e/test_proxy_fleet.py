@@ -70,9 +70,14 @@ def complete(base: str, prompt: list[int], stream: bool = False, **kw: Any) -> O
         return Outcome(False, e.code, json.loads(e.read())["error"]["message"], "")
 
 
+ADMIN_KEY = "e2e-admin-key"
+
+
 def admin(base: str, op: str, **body: Any) -> tuple[int, dict[str, Any]]:
+    """A call of the admin API on its own listener ``base``, with the key."""
     req = (_request(f"{base}/admin/{op}", body) if body
            else urllib.request.Request(f"{base}/admin/{op}"))
+    req.add_header("Authorization", f"Bearer {ADMIN_KEY}")
     try:
         with urllib.request.urlopen(req, timeout=CLIENT_TIMEOUT_S) as r:
             return r.status, json.loads(r.read())
@@ -144,8 +149,9 @@ class PD2:
         self.decode = VllmServer(model, log_path=self.log_dir / "decode.log",
                                  omp_threads_bind="nobind", extra_args=kv_transfer_args(
                                      "kv_consumer", {"transfer_timeout_seconds": 5.0}))
-        self.port = free_port()
+        self.port, self.admin_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.admin_url = f"http://127.0.0.1:{self.admin_port}"
         self.proxy: subprocess.Popen[bytes] | None = None
         self.refs: list[str] = []
 
@@ -168,7 +174,10 @@ class PD2:
                           "success_threshold": 2, "startup_timeout_s": 60.0},
                "breaker": {"failure_threshold": 3, "open_s": 2.0},
                "timeouts": {"prefill_s": 30.0, "decode_connect_s": 10.0,
-                            "decode_total_s": 60.0, "decode_idle_s": 30.0}}
+                            "decode_total_s": 60.0, "decode_idle_s": 30.0},
+               "admin": {"port": self.admin_port, "key_file": str(self.log_dir / "admin.key"),
+                         "allowed_targets": ["127.0.0.0/8"]}}
+        (self.log_dir / "admin.key").write_text(ADMIN_KEY)
         path = self.log_dir / "proxy.yaml"
         path.write_text(yaml.safe_dump(cfg))
         return path
@@ -259,8 +268,8 @@ def test_prefill_killed_mid_load_then_restarted(pd2: PD2) -> None:
     print(f"prefill killed mid-load: {len(outcomes)} requests, {failed} failed")
     assert failed <= 3, [o for _, o in outcomes if not o.ok]  # at most those in flight
     wait_until("killed prefill reported unhealthy",
-               lambda: instance(pd2.url, victim)["healthy"] is False, 10)
-    info = instance(pd2.url, victim)
+               lambda: instance(pd2.admin_url, victim)["healthy"] is False, 10)
+    info = instance(pd2.admin_url, victim)
     assert info["last_probe_error"], info
     assert metric(pd2.url, "kvdisagg_proxy_instance_healthy", instance=victim) == 0
     # while it is down, requests go to the survivor
@@ -269,7 +278,7 @@ def test_prefill_killed_mid_load_then_restarted(pd2: PD2) -> None:
 
     pd2.restart_prefill(0)
     wait_until("restarted prefill healthy again",
-               lambda: instance(pd2.url, victim)["healthy"] is True, 15)
+               lambda: instance(pd2.admin_url, victim)["healthy"] is True, 15)
     assert metric(pd2.url, "kvdisagg_proxy_instance_healthy", instance=victim) == 1
     before = pd2.prefill_requests(0)
     for p, ref in zip(PROMPTS, pd2.refs):
@@ -279,19 +288,27 @@ def test_prefill_killed_mid_load_then_restarted(pd2: PD2) -> None:
 
 def test_admin_drain_remove_add_under_load_loses_no_request(pd2: PD2) -> None:
     p0, p1 = (p.base_url for p in pd2.prefill)
+    # The serving port has no admin route, key or not; the admin listener wants the key.
+    for url, key, status in ((pd2.url + "/admin/list", ADMIN_KEY, 404),
+                             (pd2.admin_url + "/admin/list", None, 401)):
+        req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key
+                                     else {})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=10)
+        assert err.value.code == status, url
     with Load(pd2.url) as load:
         load.wait_done(3)
-        status, res = admin(pd2.url, "drain", url=p1, remove=True, timeout_s=30.0)
+        status, res = admin(pd2.admin_url, "drain", url=p1, remove=True, timeout_s=30.0)
         assert status == 200 and res["drained"] is True, res
-        assert instance(pd2.url, p1) is None
+        assert instance(pd2.admin_url, p1) is None
         load.wait_done(len(load.outcomes) + 4)
 
-        status, res = admin(pd2.url, "add", url=p1, role="prefill")
+        status, res = admin(pd2.admin_url, "add", url=p1, role="prefill")
         assert status == 201 and res["healthy"] is True, res
         load.wait_done(len(load.outcomes) + 6)
         assert pd2.prefill_requests(1) > 0  # the re-added instance (fresh counters) got work
 
-        status, res = admin(pd2.url, "drain", url=p0, timeout_s=30.0)
+        status, res = admin(pd2.admin_url, "drain", url=p0, timeout_s=30.0)
         assert status == 200 and res["drained"] is True, res
         assert res["instance"]["state"] == "draining"
         assert res["instance"]["in_flight"]["prefill"] == 0
@@ -301,5 +318,5 @@ def test_admin_drain_remove_add_under_load_loses_no_request(pd2: PD2) -> None:
     assert pd2.prefill_requests(0) == frozen  # a draining instance gets no new work
     assert pd2.check(outcomes) == 0, [o for _, o in outcomes if not o.ok]
     assert all(o.handoff == "pd" for _, o in outcomes)
-    status, res = admin(pd2.url, "undrain", url=p0)
+    status, res = admin(pd2.admin_url, "undrain", url=p0)
     assert status == 200 and res["state"] == "active"

@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import yaml
 
@@ -370,7 +371,17 @@ def proxy_config_from_configmap(tmp_path: Path) -> tuple[Any, dict[str, Any]]:
     cm = by_kind("ConfigMap")[vol["configMap"]["name"]]
     text = cm["data"][path.name]
     (tmp_path / path.name).write_text(text)
-    return load_config_file(tmp_path / path.name).validate(), c
+    cfg = load_config_file(tmp_path / path.name)
+    if cfg.admin.key_file:  # the key comes from a Secret mounted where the config says
+        key_file = Path(cfg.admin.key_file)
+        mount = next(m for m in c["volumeMounts"] if key_file.parent == Path(m["mountPath"]))
+        vol = next(v for v in deploy["spec"]["template"]["spec"]["volumes"]
+                   if v["name"] == mount["name"])
+        assert "secret" in vol, f"admin.key_file {key_file} is not from a Secret: {vol}"
+        (tmp_path / "admin-key").write_text("sample-key")
+        cfg = msgspec.structs.replace(cfg, admin=msgspec.structs.replace(
+            cfg.admin, key_file=str(tmp_path / "admin-key")))
+    return cfg.validate(), c
 
 
 def check_proxy_discovery(args: list[str]) -> list[str]:
@@ -417,7 +428,21 @@ def test_proxy_discovery_check_can_fail():
         check_proxy_discovery(["--decode-dns", "decode.kvdisagg.svc.cluster.local:9000"])
 
 
-def test_prestop_drains_this_pod_at_the_proxy_service():
+def test_prestop_drains_this_pod_at_the_proxy_admin_service(tmp_path: Path):
+    cfg, proxy_container = proxy_config_from_configmap(tmp_path)
+    admin_port = cfg.admin.port
+    services = by_kind("Service")
+    public = services["kvdisagg-proxy"]
+    assert all(p["port"] != admin_port and p["targetPort"] not in ("admin", admin_port)
+               for p in public["spec"]["ports"]), "the public Service carries the admin API"
+    # only the vLLM pods may reach the admin port
+    (policy,) = [n for n in by_kind("NetworkPolicy").values()
+                 if n["spec"]["podSelector"]["matchLabels"] == pod_labels(
+                     by_kind("Deployment")["kvdisagg-proxy"])]
+    for rule in policy["spec"]["ingress"]:
+        if any(p["port"] in ("admin", admin_port) for p in rule["ports"]):
+            assert [f["podSelector"]["matchLabels"] for f in rule["from"]] == [
+                {"app.kubernetes.io/name": "vllm"}], rule
     for name, w in workloads().items():
         for c in containers(w):
             hook = c.get("lifecycle", {}).get("preStop")
@@ -425,7 +450,22 @@ def test_prestop_drains_this_pod_at_the_proxy_service():
                 continue
             cmd = " ".join(hook["exec"]["command"])
             host = re.search(r"http://([a-z0-9-]+):(\d+)/admin/drain", cmd)
-            assert host and host.group(1) in by_kind("Service"), f"{name}: {cmd}"
+            assert host and host.group(1) in services, f"{name}: {cmd}"
+            svc = services[host.group(1)]
+            assert svc is not public, f"{name}: drains through the public Service"
+            (port,) = [p for p in svc["spec"]["ports"] if p["port"] == int(host.group(2))]
+            assert container_ports(by_kind("Deployment")["kvdisagg-proxy"])[port["targetPort"]] \
+                == admin_port, f"{name}: {host.group(0)} is not the proxy's admin listener"
+            # the key: a file of a mounted Secret, the same Secret as the proxy's
+            key_path = re.search(r"\$\(cat (\S+)\)", cmd)
+            assert key_path and "Authorization: Bearer" in cmd, f"{name}: no key sent: {cmd}"
+            mount = next(m for m in c["volumeMounts"]
+                         if Path(key_path.group(1)).parent == Path(m["mountPath"]))
+            vol = next(v for v in w["spec"]["template"]["spec"]["volumes"]
+                       if v["name"] == mount["name"])
+            proxy_vol = next(v for v in by_kind("Deployment")["kvdisagg-proxy"]["spec"][
+                "template"]["spec"]["volumes"] if "secret" in v)
+            assert vol["secret"]["secretName"] == proxy_vol["secret"]["secretName"], name
             # DNS discovery knows a pod as http://<pod IP>:<port>
             assert "http://$POD_IP:8000" in cmd, f"{name}: drains another URL than its own"
             env = {e["name"]: e for e in c.get("env", [])}

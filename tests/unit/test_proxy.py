@@ -14,8 +14,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from kvdisagg.proxy import make_app
-from kvdisagg.proxy.app import REGISTRY
-from kvdisagg.proxy.config import (BreakerConfig, HealthConfig, InstanceSpec, PolicyConfig,
+from kvdisagg.proxy.app import ADMIN, REGISTRY
+from kvdisagg.proxy.config import (AdminConfig, BreakerConfig, HealthConfig, InstanceSpec, PolicyConfig,
                                    ProxyConfig, RetryConfig, Role, SloConfig, TimeoutConfig)
 from kvdisagg.testing.servers import free_port
 from kvdisagg.tracing import TRACE_PARAMS_KEY, Tracer
@@ -38,9 +38,10 @@ def metric(text: str, name: str, **labels: str) -> float:
 
 
 class Env:
-    def __init__(self, client: TestClient, prefill: list[FakeVllm], decode: list[FakeVllm],
-                 urls: dict[str, str]) -> None:
-        self.client, self.prefill, self.decode, self.urls = client, prefill, decode, urls
+    def __init__(self, client: TestClient, admin: TestClient, prefill: list[FakeVllm],
+                 decode: list[FakeVllm], urls: dict[str, str]) -> None:
+        self.client, self.admin, self.prefill, self.decode, self.urls = (client, admin, prefill,
+                                                                          decode, urls)
 
     async def metrics(self) -> str:
         r = await self.client.get("/metrics")
@@ -65,11 +66,15 @@ async def proxy(n_prefill: int = 1, n_decode: int = 1, dead_decode: int = 0,
                                                 decode_total_s=10.0, decode_idle_s=1.0))
     cfg_kw.setdefault("health", HealthConfig(interval_s=0.2, timeout_s=0.5, startup_timeout_s=2.0))
     cfg = ProxyConfig(instances=instances, **cfg_kw)
-    client = TestClient(TestServer(make_app(config=cfg, tracer=tracer), host="127.0.0.1"))
+    app = make_app(config=cfg, tracer=tracer)
+    client = TestClient(TestServer(app, host="127.0.0.1"))
+    admin = TestClient(TestServer(app[ADMIN], host="127.0.0.1"))
     await client.start_server()
+    await admin.start_server()
     try:
-        yield Env(client, prefill, decode, urls)
+        yield Env(client, admin, prefill, decode, urls)
     finally:
+        await admin.close()
         await client.close()
         for s in servers:
             await s.close()
@@ -333,7 +338,7 @@ def test_failed_kv_load_on_only_decode_reprefills_on_other_prefill_and_retries()
             assert metric(text, "kvdisagg_proxy_instance_errors_total", side="decode",
                           kind=kind) == 4
             assert metric(text, "kvdisagg_proxy_instance_healthy", role="decode") == 1
-            r = await env.client.get("/admin/list")
+            r = await env.admin.get("/admin/list")
             info = [i for i in (await r.json())["instances"] if i["role"] == "decode"][0]
             assert info["breaker"] == "closed" and info["errors"]["decode"] == 4
     run(t(False))
@@ -381,7 +386,7 @@ def test_client_disconnect_aborts_upstream() -> None:
                           outcome="client_disconnect") == 1
             assert metric(text, "kvdisagg_proxy_instance_in_flight") == 0
             # a disconnect says nothing about the instance: its breaker stays closed
-            r = await env.client.get("/admin/list")
+            r = await env.admin.get("/admin/list")
             d = [i for i in (await r.json())["instances"] if i["url"] == env.urls["d0"]][0]
             assert d["breaker"] == "closed" and d["errors"]["decode"] == 0
         async with proxy() as env:  # disconnect during the prefill leg aborts prefill
@@ -406,7 +411,7 @@ def test_health_probes_mark_unhealthy_and_recover() -> None:
                                                           success_threshold=2)) as env:
             env.prefill[1].health_status = 503
             await asyncio.sleep(0.6)
-            r = await env.client.get("/admin/list")
+            r = await env.admin.get("/admin/list")
             rows = {i["url"]: i for i in (await r.json())["instances"]}
             assert rows[env.urls["p1"]]["healthy"] is False
             assert "503" in rows[env.urls["p1"]]["last_probe_error"]
@@ -425,19 +430,22 @@ def test_health_probes_mark_unhealthy_and_recover() -> None:
     run(t())
 
 
+LOOPBACK_ADDS = AdminConfig(allowed_targets=["127.0.0.0/8"])
+
+
 def test_admin_add_drain_remove_list() -> None:
     async def t() -> None:
-        async with proxy(n_decode=1) as env:
+        async with proxy(n_decode=1, admin=LOOPBACK_ADDS) as env:
             extra = FakeVllm("d-extra")
             srv = TestServer(extra.app(), host="127.0.0.1")
             await srv.start_server()
             url = str(srv.make_url("")).rstrip("/")
             try:
-                r = await env.client.post("/admin/add", json={"url": url, "role": "decode"})
+                r = await env.admin.post("/admin/add", json={"url": url, "role": "decode"})
                 assert r.status == 201 and (await r.json())["healthy"] is True
-                r = await env.client.post("/admin/add", json={"url": url, "role": "decode"})
+                r = await env.admin.post("/admin/add", json={"url": url, "role": "decode"})
                 assert r.status == 409
-                r = await env.client.post("/admin/add", json={"url": "ftp://x", "role": "decode"})
+                r = await env.admin.post("/admin/add", json={"url": "ftp://x", "role": "decode"})
                 assert r.status == 400
                 for _ in range(4):
                     assert (await env.client.post("/v1/completions", json=GEN)).status == 200
@@ -449,29 +457,123 @@ def test_admin_add_drain_remove_list() -> None:
                         for _ in range(2)]
                 await asyncio.sleep(0.1)
                 t0 = time.monotonic()
-                r = await env.client.post("/admin/drain", json={"url": url, "remove": True})
+                r = await env.admin.post("/admin/drain", json={"url": url, "remove": True})
                 body = await r.json()
                 assert body["drained"] is True and time.monotonic() - t0 > 0.2
                 assert [(await q).status for q in reqs] == [200, 200]
-                r = await env.client.get("/admin/list")
+                r = await env.admin.get("/admin/list")
                 assert url not in [i["url"] for i in (await r.json())["instances"]]
                 n = len(extra.seen)
                 assert (await env.client.post("/v1/completions", json=GEN)).status == 200
                 assert len(extra.seen) == n
-                r = await env.client.post("/admin/remove", json={"url": url})
+                r = await env.admin.post("/admin/remove", json={"url": url})
                 assert r.status == 404
             finally:
                 await srv.close()
     run(t())
 
 
-def test_admin_key_required_when_set() -> None:
+ADMIN_CALLS = [("get", "/admin/list", None),
+               ("post", "/admin/add", {"url": "http://127.0.0.1:9", "role": "decode"}),
+               ("post", "/admin/drain", {"url": "http://127.0.0.1:9"}),
+               ("post", "/admin/undrain", {"url": "http://127.0.0.1:9"}),
+               ("post", "/admin/remove", {"url": "http://127.0.0.1:9"})]
+
+
+def test_admin_api_is_not_on_the_serving_port() -> None:
+    """A client of the OpenAI routes reaches no admin route, whatever it sends."""
     async def t() -> None:
-        async with proxy(admin_key="adm") as env:
-            assert (await env.client.get("/admin/list")).status == 401
-            r = await env.client.get("/admin/list", headers={"Authorization": "Bearer adm"})
+        async with proxy(admin=LOOPBACK_ADDS) as env:
+            for method, path, body in ADMIN_CALLS:
+                for headers in ({}, {"Authorization": "Bearer anything"}):
+                    r = await getattr(env.client, method)(path, json=body, headers=headers)
+                    assert r.status in (404, 405), (path, r.status)
+            r = await env.admin.get("/admin/list")
+            assert len((await r.json())["instances"]) == 2  # nothing was added or removed
+            r = await env.client.post("/v1/completions", json=GEN)
             assert r.status == 200
+            assert len(env.decode[0].seen) == 1
     run(t())
+
+
+def test_admin_key_from_file_or_environment_guards_every_route(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    key_file = tmp_path / "admin-key"
+    key_file.write_text("s3cret\n")
+
+    async def t(admin: AdminConfig) -> None:
+        async with proxy(admin=admin) as env:
+            for method, path, body in ADMIN_CALLS:
+                for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+                    r = await getattr(env.admin, method)(path, json=body, headers=headers)
+                    assert r.status == 401, (path, headers, r.status)
+                    assert "Authorization: Bearer" in (await r.json())["error"]["message"]
+            r = await env.admin.get("/admin/list", headers={"Authorization": "Bearer s3cret"})
+            assert r.status == 200 and len((await r.json())["instances"]) == 2
+            assert (await env.client.post("/v1/completions", json=GEN)).status == 200
+    monkeypatch.delenv("KVDISAGG_ADMIN_KEY", raising=False)
+    run(t(AdminConfig(key_file=str(key_file), allowed_targets=["127.0.0.0/8"])))
+    monkeypatch.setenv("KVDISAGG_ADMIN_KEY", "s3cret")
+    run(t(AdminConfig(allowed_targets=["127.0.0.0/8"])))
+
+
+def test_admin_add_only_for_allowed_targets() -> None:
+    async def t() -> None:
+        async with proxy(admin=AdminConfig(allowed_targets=["10.1.0.0/16", "*.vllm.svc"])) as env:
+            for url in ("http://127.0.0.1:9", "http://169.254.169.254:80", "http://10.2.0.1:8000",
+                        "http://metadata.internal:80", "http://vllm.svc:8000",
+                        "http://2130706433:8000"):
+                r = await env.admin.post("/admin/add", json={"url": url, "role": "decode"})
+                assert r.status == 403, url
+                assert "admin.allowed_targets" in (await r.json())["error"]["message"]
+            assert len((await (await env.admin.get("/admin/list")).json())["instances"]) == 2
+        async with proxy() as env:  # the default allows nothing
+            extra = FakeVllm("d-extra")
+            srv = TestServer(extra.app(), host="127.0.0.1")
+            await srv.start_server()
+            try:
+                r = await env.admin.post("/admin/add", json={
+                    "url": str(srv.make_url("")).rstrip("/"), "role": "decode"})
+                assert r.status == 403
+            finally:
+                await srv.close()
+            assert not extra.seen  # not even probed
+    run(t())
+    allowed = AdminConfig(allowed_targets=["10.1.0.0/16", "*.vllm.svc", "decode-0"])
+    assert allowed.allows("http://10.1.2.3:8000") and allowed.allows("http://a.b.vllm.svc:80")
+    assert allowed.allows("http://DECODE-0:8000") and not allowed.allows("http://decode-00:80")
+    assert not allowed.allows("http://[::1]:8000") and not allowed.allows("http://x.svc:80")
+
+
+def test_admin_beyond_loopback_needs_a_key_and_argv_keys_are_refused(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from kvdisagg.errors import ConfigError
+    from kvdisagg.proxy.cli import add_arguments, config_from_args
+
+    monkeypatch.delenv("KVDISAGG_ADMIN_KEY", raising=False)
+    with pytest.raises(ConfigError, match="beyond loopback and no admin key"):
+        ProxyConfig(admin=AdminConfig(host="0.0.0.0", port=8001)).validate()
+    with pytest.raises(ConfigError, match="listener of its own"):
+        ProxyConfig(port=8000, admin=AdminConfig(port=8000)).validate()
+    with pytest.raises(ConfigError, match=r"admin.allowed_targets\[0\]"):
+        ProxyConfig(admin=AdminConfig(allowed_targets=["10.0.0.0/33"])).validate()
+    with pytest.raises(ConfigError, match="admin.key_file"):
+        ProxyConfig(admin=AdminConfig(host="0.0.0.0", port=8001,
+                                      key_file=str(tmp_path / "missing"))).validate()
+    monkeypatch.setenv("KVDISAGG_ADMIN_KEY", "k")
+    ProxyConfig(admin=AdminConfig(host="0.0.0.0", port=8001)).validate()
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(ConfigError, match="--admin-key is not accepted"):
+        config_from_args(parser.parse_args(["--decode", "http://127.0.0.1:1", "--admin-key", "k"]))
+    cfg = config_from_args(parser.parse_args([
+        "--decode", "http://127.0.0.1:1", "--admin-port", "8001", "--admin-allow", "10.0.0.0/8",
+        "--admin-allow", "*.svc"]))
+    assert cfg.admin.port == 8001 and cfg.admin.host == "127.0.0.1"
+    assert cfg.admin.allowed_targets == ["10.0.0.0/8", "*.svc"]
 
 
 def test_slo_aware_sheds_with_429_when_no_instance_meets_ttft() -> None:
@@ -603,7 +705,7 @@ FAST = TimeoutConfig(prefill_s=2.0, decode_connect_s=0.2, decode_total_s=5.0, de
 
 
 async def instance_rows(env: Env) -> dict[str, dict[str, Any]]:
-    r = await env.client.get("/admin/list")
+    r = await env.admin.get("/admin/list")
     return {i["url"]: i for i in (await r.json())["instances"]}
 
 

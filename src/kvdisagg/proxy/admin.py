@@ -1,5 +1,9 @@
 """The admin API: change membership at run time and look at each instance.
 
+It is an application of its own, served on ``admin.host:admin.port`` (loopback by default) and
+never on the serving port, so that a client of the OpenAI routes cannot reach it; with no
+``admin.port`` there is none.
+
     GET  /admin/list                          every instance: health, breaker, load, counters
     POST /admin/add     {"url", "role"}       probe once, then route to it if healthy
     POST /admin/drain   {"url", "timeout_s"?, "remove"?}
@@ -7,13 +11,15 @@
     POST /admin/undrain {"url"}               take new work again
     POST /admin/remove  {"url"}               out of the fleet now; in-flight legs still finish
 
-Bodies are msgspec Structs (unknown keys refused). With ``admin_key`` set, every call needs
-``Authorization: Bearer <admin_key>``.
+Bodies are msgspec Structs (unknown keys refused). With a key (``admin.key_file`` or
+``KVDISAGG_ADMIN_KEY``; required beyond loopback), every call needs ``Authorization: Bearer
+<key>``. ``/admin/add`` only takes targets in ``admin.allowed_targets`` or found by discovery.
 """
 
 from __future__ import annotations
 
 import hmac
+from typing import Callable
 
 import msgspec
 from aiohttp import web
@@ -35,10 +41,15 @@ class _Drain(_Target, kw_only=True):
     remove: bool = False
 
 
-async def add_instance(registry: Registry, spec: InstanceSpec) -> Instance:
+async def add_instance(registry: Registry, spec: InstanceSpec,
+                       allowed: Callable[[str], bool] = lambda url: True) -> Instance:
     """Validate ``spec`` like the config file, add it, probe it once (routed to if healthy).
-    ConfigError: a bad URL; ValueError: already in the fleet. Used by discovery too."""
+    ConfigError: a bad URL; PermissionError: not ``allowed``; ValueError: already in the
+    fleet. Used by discovery too (whatever it finds is allowed)."""
     ProxyConfig(instances=[spec]).validate()  # same URL rules as the config file
+    if not allowed(spec.key):
+        raise PermissionError(f"{spec.url} is not an allowed target: add its CIDR or host name "
+                              "to admin.allowed_targets (--admin-allow)")
     inst = registry.add(spec)
     await registry.probe(inst)
     return inst
@@ -58,12 +69,19 @@ def _json(obj: object, status: int = 200) -> web.Response:
     return web.Response(body=_encode(obj), status=status, content_type="application/json")
 
 
-def add_routes(app: web.Application, cfg: ProxyConfig, registry: Registry) -> None:
+def make_admin_app(cfg: ProxyConfig, registry: Registry,
+                   discovered: Callable[[str], bool] = lambda url: False) -> web.Application:
+    """The admin application; ``discovered(url)``: whether discovery found that member (an
+    add of it is allowed whatever ``allowed_targets`` say)."""
+    key = cfg.admin.key()
+    expected = f"Bearer {key}".encode() if key else b""
+    app = web.Application(client_max_size=64 << 10)
+
     def authorized(request: web.Request) -> bool:
-        if not cfg.admin_key:
+        if not key:
             return True
         got = request.headers.get("Authorization", "")
-        return hmac.compare_digest(got.encode(), f"Bearer {cfg.admin_key}".encode())
+        return hmac.compare_digest(got.encode(), expected)
 
     async def parse(request: web.Request, typ: type) -> object:
         try:
@@ -76,7 +94,7 @@ def add_routes(app: web.Application, cfg: ProxyConfig, registry: Registry) -> No
     def guarded(handler):  # type: ignore[no-untyped-def]
         async def wrapper(request: web.Request) -> web.StreamResponse:
             if not authorized(request):
-                return error_response(401, "admin API needs Authorization: Bearer <admin_key>",
+                return error_response(401, "admin API needs Authorization: Bearer <admin key>",
                                       "authentication_error")
             try:
                 return await handler(request)
@@ -91,9 +109,12 @@ def add_routes(app: web.Application, cfg: ProxyConfig, registry: Registry) -> No
         spec = await parse(request, InstanceSpec)
         assert isinstance(spec, InstanceSpec)
         try:
-            inst = await add_instance(registry, spec)
+            inst = await add_instance(registry, spec,
+                                      lambda url: cfg.admin.allows(url) or discovered(url))
         except ConfigError as exc:
             return error_response(400, str(exc))
+        except PermissionError as exc:
+            return error_response(403, str(exc), "permission_error")
         except ValueError as exc:
             return error_response(409, str(exc), "conflict")
         return _json(inst.info(), 201)
@@ -120,6 +141,7 @@ def add_routes(app: web.Application, cfg: ProxyConfig, registry: Registry) -> No
     app.router.add_post("/admin/drain", guarded(drain))
     app.router.add_post("/admin/undrain", guarded(undrain))
     app.router.add_post("/admin/remove", guarded(remove))
+    return app
 
 
-__all__ = ["add_routes", "Role"]
+__all__ = ["make_admin_app", "add_instance", "drain_instance", "Role"]

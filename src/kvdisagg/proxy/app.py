@@ -2,7 +2,8 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the handoff, see
 ``handoff.py``), ``GET /v1/models``, ``GET /health`` (liveness), ``GET /readiness`` (can it
-route a request now), ``GET /metrics`` (Prometheus), ``/admin/*`` (``admin.py``).
+route a request now), ``GET /metrics`` (Prometheus). The admin API (``admin.py``) is an
+application of its own (``app[ADMIN]``), served on its own listener when ``admin.port`` is set.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ HANDOFF = web.AppKey("handoff", Handoff)
 METRICS = web.AppKey("metrics", Metrics)
 CONFIG = web.AppKey("config", ProxyConfig)
 DISCOVERY = web.AppKey("discovery", Discovery)
+ADMIN = web.AppKey("admin", web.Application)
 _encode = msgspec.json.Encoder().encode
 
 HANDLED_SIGNALS = (
@@ -75,6 +77,7 @@ def make_app(prefill_urls: list[str] | None = None, decode_urls: list[str] | Non
     discovery = Discovery(cfg.discovery, registry, cfg.drain_timeout_s,
                           on_error=lambda s: metrics.discovery_error(s.role.value, s.label))
     app[DISCOVERY] = discovery
+    app[ADMIN] = admin.make_admin_app(cfg, registry, discovery.found)
 
     async def completions(request: web.Request) -> web.StreamResponse:
         return await handoff.serve(request, chat=False)
@@ -132,7 +135,6 @@ def make_app(prefill_urls: list[str] | None = None, decode_urls: list[str] | Non
     app.router.add_get("/health", health)
     app.router.add_get("/readiness", readiness)
     app.router.add_get("/metrics", metrics_)
-    admin.add_routes(app, cfg, registry)
     return app
 
 
@@ -147,6 +149,13 @@ async def serve(cfg: ProxyConfig) -> int:
     site = web.TCPSite(runner, cfg.host, cfg.port, backlog=2048)
     await site.start()
     log.info("kvdisagg proxy listening on http://%s:%d", cfg.host, cfg.port)
+    admin_runner = None
+    if cfg.admin.port is not None:
+        admin_runner = web.AppRunner(app[ADMIN], access_log=None)
+        await admin_runner.setup()
+        await web.TCPSite(admin_runner, cfg.admin.host, cfg.admin.port).start()
+        log.info("admin API on http://%s:%d (%s)", cfg.admin.host, cfg.admin.port,
+                 "key required" if cfg.admin.key() else "loopback, no key")
     loop = asyncio.get_running_loop()
     stop, force = asyncio.Event(), asyncio.Event()
 
@@ -176,6 +185,8 @@ async def serve(cfg: ProxyConfig) -> int:
         log.warning("Forced exit with %d requests in flight.", app[METRICS].in_flight)
         return 1
     log.info("Closing upstream clients.")
+    if admin_runner is not None:
+        await admin_runner.cleanup()
     await runner.cleanup()
     return 0
 

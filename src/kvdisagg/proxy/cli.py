@@ -38,7 +38,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admission", choices=["queue", "shed", "colocate"],
                    help="slo_aware: what to do when no instance meets the SLO")
     p.add_argument("--api-key", help="replace the client's Authorization on upstream legs")
-    p.add_argument("--admin-key", help="require Bearer ADMIN_KEY on /admin/*")
+    p.add_argument("--admin-port", type=int, metavar="PORT",
+                   help="serve the admin API on its own listener (default: no admin API)")
+    p.add_argument("--admin-host", metavar="ADDR",
+                   help="admin listener address (default 127.0.0.1; beyond loopback a key is "
+                   "required)")
+    p.add_argument("--admin-key-file", metavar="FILE",
+                   help="file holding the admin key (or set KVDISAGG_ADMIN_KEY); every admin "
+                   "call then needs Authorization: Bearer KEY")
+    p.add_argument("--admin-allow", action="append", default=[], metavar="CIDR|NAME",
+                   help="a target /admin/add may add: a CIDR or a host name (exact or "
+                   "*.suffix); repeatable")
+    p.add_argument("--admin-key", help=argparse.SUPPRESS)  # refused: argv is public
     p.add_argument("--no-decode-only-fallback", action="store_true",
                    help="fail instead of letting decode recompute when no prefill is usable")
     p.add_argument("--health-interval", type=float, metavar="S")
@@ -49,16 +60,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace):  # -> ProxyConfig
     import msgspec
 
+    from kvdisagg.errors import ConfigError
     from kvdisagg.proxy.app import build_config
     from kvdisagg.proxy.config import ProxyConfig, instances_from_urls, load_config_file
 
     cfg = load_config_file(args.config) if args.config else ProxyConfig()
     rep = msgspec.structs.replace
+    if args.admin_key is not None:
+        raise ConfigError("--admin-key is not accepted: any local user can read a command line. "
+                          "Put the key in a file (--admin-key-file) or in KVDISAGG_ADMIN_KEY")
     top = {k: v for k, v in (("host", args.host), ("port", args.port), ("api_key", args.api_key),
-                             ("admin_key", args.admin_key),
                              ("otlp_traces_endpoint", args.otlp_traces_endpoint))
            if v is not None}
     cfg = rep(cfg, **top)
+    adm = {k: v for k, v in (("host", args.admin_host), ("port", args.admin_port),
+                             ("key_file", args.admin_key_file)) if v is not None}
+    if args.admin_allow:
+        adm["allowed_targets"] = [*cfg.admin.allowed_targets, *args.admin_allow]
+    if adm:
+        cfg = rep(cfg, admin=rep(cfg.admin, **adm))
     pol = {}
     if args.policy:
         pol = {"prefill": args.policy, "decode": args.policy}

@@ -10,10 +10,13 @@ every error names the key (``breaker.open_s: Expected `float` > 0.0, got -1.0``)
 from __future__ import annotations
 
 import enum
+import ipaddress
+import os
 import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 import msgspec
 import yaml
@@ -178,6 +181,77 @@ class DiscoveryConfig(_Base):
                     or (k is not None and (k.prefill_selector or k.decode_selector)))
 
 
+ADMIN_KEY_ENV = "KVDISAGG_ADMIN_KEY"
+_NAME = re.compile(r"(\*\.)?[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*")
+
+
+class AdminConfig(_Base):
+    """The admin API (admin.py) on a listener of its own, never on the serving port: a client
+    that can reach the OpenAI routes cannot reach membership."""
+
+    host: str = "127.0.0.1"
+    """Listen address of the admin API. Beyond loopback a key is required: start-up refuses
+    otherwise."""
+    port: Port | None = None
+    """Listen port; none (default): no admin API at all (discovery still manages members)."""
+    key_file: str | None = None
+    """File holding the admin key (a mounted Kubernetes Secret); else the environment variable
+    ``KVDISAGG_ADMIN_KEY``; never the command line (any local user can read argv). With a key,
+    every admin call needs ``Authorization: Bearer <key>``."""
+    allowed_targets: list[str] = msgspec.field(default_factory=list)
+    """What ``POST /admin/add`` may add: CIDRs for IP literals (``10.0.0.0/8``) and host names,
+    exact or ``*.suffix`` (``*.vllm.svc.cluster.local``). Members discovery found are allowed
+    too. Empty (default): no run-time adds, so the proxy cannot be turned into a probe of
+    internal addresses."""
+
+    def key(self) -> str | None:
+        """The admin key from ``key_file`` or ``KVDISAGG_ADMIN_KEY``; ConfigError if the file
+        is unreadable or empty."""
+        if self.key_file:
+            try:
+                key = Path(self.key_file).read_text().strip()
+            except OSError as exc:
+                raise ConfigError(f"admin.key_file: cannot read {self.key_file}: {exc}") from None
+            if not key:
+                raise ConfigError(f"admin.key_file: {self.key_file} is empty")
+            return key
+        return os.environ.get(ADMIN_KEY_ENV, "").strip() or None
+
+    def allows(self, url: str) -> bool:
+        """Whether ``url``'s host is among ``allowed_targets``."""
+        host = (urlsplit(url).hostname or "").lower()
+        try:
+            addr = ipaddress.ip_address(host)
+        except ValueError:
+            addr = None
+        for entry in self.allowed_targets:
+            if "/" in entry or _is_ip(entry):
+                if addr is not None and addr in ipaddress.ip_network(entry, strict=False):
+                    return True
+            elif addr is None:
+                entry = entry.lower()
+                if host == entry or (entry.startswith("*.") and host.endswith(entry[1:])):
+                    return True
+        return False
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class ProxyConfig(_Base):
     host: str = "127.0.0.1"
     port: Port = 8000
@@ -191,8 +265,7 @@ class ProxyConfig(_Base):
     discovery: DiscoveryConfig = msgspec.field(default_factory=DiscoveryConfig)
     api_key: str | None = None
     """Replaces the client's Authorization on upstream legs."""
-    admin_key: str | None = None
-    """Required as Bearer on /admin/* when set."""
+    admin: AdminConfig = msgspec.field(default_factory=AdminConfig)
     drain_timeout_s: Annotated[float, msgspec.Meta(ge=0, le=86400)] = 30.0
     """Shutdown and admin drain wait at most this long."""
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] = 32 << 20
@@ -231,11 +304,33 @@ class ProxyConfig(_Base):
                 except ValueError as exc:
                     raise ConfigError(f"discovery.{key}[{i}]: {exc}") from None
 
+        _check_admin(cfg.admin, cfg.port)
         for side, name in (("prefill", cfg.policy.prefill), ("decode", cfg.policy.decode)):
             if name not in POLICIES:
                 raise ConfigError(f"policy.{side}: unknown policy {name!r}; "
                                   f"choose one of {sorted(POLICIES)}")
         return cfg
+
+
+def _check_admin(admin: AdminConfig, serving_port: int) -> None:
+    for i, entry in enumerate(admin.allowed_targets):
+        if "/" in entry or _is_ip(entry):
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError as exc:
+                raise ConfigError(f"admin.allowed_targets[{i}]: {exc}") from None
+        elif not _NAME.fullmatch(entry):
+            raise ConfigError(f"admin.allowed_targets[{i}]: {entry!r} is neither a CIDR nor a "
+                              "host name (exact, or *.suffix)")
+    if admin.port is None:
+        return
+    if admin.port == serving_port:
+        raise ConfigError(f"admin.port {admin.port} is the serving port: the admin API needs a "
+                          "listener of its own")
+    if not is_loopback(admin.host) and admin.key() is None:
+        raise ConfigError(f"admin.host {admin.host} is beyond loopback and no admin key is set: "
+                          f"put one in a file (admin.key_file, --admin-key-file) or in "
+                          f"{ADMIN_KEY_ENV}")
 
 
 _AT = re.compile(r" - at `\$\.?([^`]*)`$")

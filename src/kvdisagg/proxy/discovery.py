@@ -303,6 +303,10 @@ class Discovery:
             log.info("discovery: %s %s -> %s", src.role.value, src.label, urls or "nothing")
         self.last[i] = urls
 
+    def found(self, url: str) -> bool:
+        """Whether a source lists ``url`` now (the admin API may then add it back)."""
+        return any(url in urls for urls in self.last.values())
+
     async def sync(self) -> Plan:
         """One round: resolve every source, then add, drain and undrain."""
         await asyncio.gather(*(self._resolve(i, s) for i, s in enumerate(self.sources)))
