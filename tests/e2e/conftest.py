@@ -68,7 +68,9 @@ def fleet(model: Path, otlp_sink):
                   decode_extra={"transfer_timeout_seconds": TIMEOUT_S, **trace},
                   proxy_args=["--otlp-traces-endpoint", otlp_sink.url])
     corrupt = VllmServer(model, log_path=LOG_DIR / "decode-corrupt.log", omp_threads_bind="1",
-                         env={"PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+                         env={"PYTHONPATH": os.pathsep.join(filter(None, (
+                             str(Path(__file__).resolve().parents[2]),
+                             os.environ.get("PYTHONPATH"))))},
                          extra_args=kv_transfer_args("kv_consumer", {
                              "transport": "tests.support.faults:CorruptingTcpTransport"}))
     corrupt.start()
