@@ -23,7 +23,8 @@ from kvdisagg.testing.tiny_model import ensure_tiny_model
 
 def slo_proxy(fleet: Fleet, out: Path, ttft: float, tpot: float, window: float):
     cfg = out / "slo-proxy.yaml"
-    cfg.write_text(f"slo:\n  ttft_s: {ttft}\n  tpot_s: {tpot}\n  window_s: {window}\n")
+    cfg.write_text(f"slo:\n  ttft_s: {ttft}\n  tpot_s: {tpot}\n  window_s: {window}\n"
+                   "decision: {enabled: false}\n")
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvdisagg.cli", "proxy", "--config", str(cfg),
                              "--prefill", fleet.prefill.base_url, "--decode",

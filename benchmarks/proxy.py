@@ -250,7 +250,8 @@ def main() -> int:
             targets.append(Target("direct", dec, None))
         if "kvdisagg" in args.targets:
             proc = spawn([sys.executable, "-m", "kvdisagg.cli", "proxy", "--prefill", pre,
-                          "--decode", dec, "--port", str(ports["kvdisagg"])],
+                          "--decode", dec, "--port", str(ports["kvdisagg"]),
+                          "--always-disaggregate"],  # like vllm-router: every request split
                          out / "kvdisagg-proxy.log")
             procs.append(proc)
             url = f"http://127.0.0.1:{ports['kvdisagg']}"

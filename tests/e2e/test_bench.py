@@ -31,7 +31,8 @@ DURATION_S = "12"
 def start_slo_proxy(fleet: Fleet, log_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
     """``kvdisagg proxy`` over the fleet's pair, with the SLOs and goodput window bench uses."""
     cfg = log_dir / "slo-proxy.yaml"
-    cfg.write_text(f"slo:\n  ttft_s: {TTFT_S}\n  tpot_s: {TPOT_S}\n  window_s: {WINDOW_S}\n")
+    cfg.write_text(f"slo:\n  ttft_s: {TTFT_S}\n  tpot_s: {TPOT_S}\n  window_s: {WINDOW_S}\n"
+                   "decision: {enabled: false}\n")
     port = free_port()
     log = open(log_dir / "slo-proxy.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "kvdisagg.cli", "proxy", "--config", str(cfg),

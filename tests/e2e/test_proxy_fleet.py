@@ -175,6 +175,7 @@ class PD2:
                "breaker": {"failure_threshold": 3, "open_s": 2.0},
                "timeouts": {"prefill_s": 30.0, "decode_connect_s": 10.0,
                             "decode_total_s": 60.0, "decode_idle_s": 30.0},
+               "decision": {"enabled": False},  # every request through prefill
                "admin": {"port": self.admin_port, "key_file": str(self.log_dir / "admin.key"),
                          "allowed_targets": ["127.0.0.0/8"]}}
         (self.log_dir / "admin.key").write_text(ADMIN_KEY)
@@ -250,7 +251,7 @@ def test_token_identical_to_single_instance_through_both_prefills(pd2: PD2) -> N
     assert [o.text for o in outs] == [pd2.refs[i % 4] for i in range(8)]
     # round robin used both prefill instances, and nothing fell back to recompute
     assert [pd2.prefill_requests(i) - before[i] for i in range(2)] == [8, 8]
-    assert metric(pd2.url, "kvdisagg_proxy_decode_only_total") == 0
+    assert metric(pd2.url, "kvdisagg_proxy_routed_total", route="decode_only") == 0
     assert metric(pd2.url, "kvdisagg_proxy_missing_kv_transfer_params_total") == 0
 
 

@@ -21,7 +21,7 @@ from kvdisagg.bench.records import RequestRecord, Slo
 from kvdisagg.bench.runner import Endpoint, run_once
 from kvdisagg.bench.workload import LengthDist, RequestSpec, build
 from kvdisagg.proxy import make_app
-from kvdisagg.proxy.config import InstanceSpec, ProxyConfig, Role, SloConfig
+from kvdisagg.proxy.config import DecisionConfig, InstanceSpec, ProxyConfig, Role, SloConfig
 from tests.support.fake_vllm import FakeVllm
 
 CFG = ClientConfig(model="tiny", idle_s=2.0, total_s=5.0, connect_s=1.0)
@@ -159,7 +159,8 @@ async def go_slow():
     async with serve(p) as purl, serve(d) as durl:
         cfg = ProxyConfig(instances=[InstanceSpec(url=purl, role=Role.PREFILL),
                                      InstanceSpec(url=durl, role=Role.DECODE)],
-                          slo=SloConfig(ttft_s=0.2, tpot_s=0.05, window_s=1.0))
+                          slo=SloConfig(ttft_s=0.2, tpot_s=0.05, window_s=1.0),
+                          decision=DecisionConfig(enabled=False))
         proxy = TestServer(make_app(config=cfg), host="127.0.0.1")
         await proxy.start_server()
         try:

@@ -15,7 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from kvdisagg.proxy import make_app
 from kvdisagg.proxy.app import ADMIN, REGISTRY
-from kvdisagg.proxy.config import (AdminConfig, BreakerConfig, HealthConfig, InstanceSpec, PolicyConfig,
+from kvdisagg.proxy.config import (AdminConfig, BreakerConfig, DecisionConfig, HealthConfig, InstanceSpec, PolicyConfig,
                                    ProxyConfig, RetryConfig, Role, SloConfig, TimeoutConfig)
 from kvdisagg.testing.servers import free_port
 from kvdisagg.tracing import TRACE_PARAMS_KEY, Tracer
@@ -65,6 +65,9 @@ async def proxy(n_prefill: int = 1, n_decode: int = 1, dead_decode: int = 0,
     cfg_kw.setdefault("timeouts", TimeoutConfig(prefill_s=2.0, decode_connect_s=2.0,
                                                 decode_total_s=10.0, decode_idle_s=1.0))
     cfg_kw.setdefault("health", HealthConfig(interval_s=0.2, timeout_s=0.5, startup_timeout_s=2.0))
+    # These tests are about the handoff: every request goes through prefill unless a test
+    # is about the per-request decision (test_proxy_decide.py).
+    cfg_kw.setdefault("decision", DecisionConfig(enabled=False))
     cfg = ProxyConfig(instances=instances, **cfg_kw)
     app = make_app(config=cfg, tracer=tracer)
     client = TestClient(TestServer(app, host="127.0.0.1"))
@@ -228,7 +231,7 @@ def test_all_prefill_down_falls_back_to_decode_only_or_errors() -> None:
                 assert r.headers["X-Kvdisagg-Handoff"] == "decode_only:prefill_failed"
                 assert "kv_transfer_params" not in env.decode[0].seen[0]["body"]
                 text = await env.metrics()
-                assert metric(text, "kvdisagg_proxy_decode_only_total",
+                assert metric(text, "kvdisagg_proxy_routed_total", route="decode_only",
                               reason="prefill_failed") == 1
             else:
                 assert r.status == 502
@@ -655,7 +658,8 @@ def test_kv_both_serves_either_side() -> None:
         srv = TestServer(both.app(), host="127.0.0.1")
         await srv.start_server()
         url = str(srv.make_url("")).rstrip("/")
-        cfg = ProxyConfig(instances=[InstanceSpec(url=url, role=Role.BOTH)])
+        cfg = ProxyConfig(instances=[InstanceSpec(url=url, role=Role.BOTH)],
+                          decision=DecisionConfig(enabled=False))
         client = TestClient(TestServer(make_app(config=cfg), host="127.0.0.1"))
         await client.start_server()
         try:
@@ -672,7 +676,7 @@ def test_stream_relay_backpressure_and_http10(monkeypatch: pytest.MonkeyPatch) -
     """The callback relay: a client that reports itself backed up on every write (pause the
     decode stream, drain, resume) still gets every event, in order; an HTTP/1.0 client gets the
     stream unframed (no chunked encoding) until the connection closes."""
-    from kvdisagg.proxy import handoff
+    from kvdisagg.proxy import decode
 
     expected = b"".join(b'data: {"choices":[{"index":0,"text":"t%d "}]}\n\n' % i
                         for i in range(300)) + b"data: [DONE]\n\n"
@@ -680,7 +684,7 @@ def test_stream_relay_backpressure_and_http10(monkeypatch: pytest.MonkeyPatch) -
     async def t() -> None:
         async with proxy() as env:
             env.decode[0].tokens = 300
-            monkeypatch.setattr(handoff, "_CLIENT_HIGH_WATER", -1)
+            monkeypatch.setattr(decode, "_CLIENT_HIGH_WATER", -1)
             r = await env.client.post("/v1/completions", json={**GEN, "stream": True})
             assert r.status == 200 and await r.read() == expected
             monkeypatch.undo()

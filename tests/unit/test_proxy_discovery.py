@@ -22,8 +22,9 @@ from kvdisagg.errors import ConfigError
 from kvdisagg.proxy import make_app
 from kvdisagg.proxy.app import DISCOVERY, REGISTRY
 from kvdisagg.proxy.cli import add_arguments, config_from_args
-from kvdisagg.proxy.config import (DiscoveryConfig, HealthConfig, InstanceSpec, KubernetesDiscovery,
-                                   ProxyConfig, Role, TimeoutConfig, load_config_file)
+from kvdisagg.proxy.config import (DecisionConfig, DiscoveryConfig, HealthConfig, InstanceSpec,
+                                   KubernetesDiscovery, ProxyConfig, Role, TimeoutConfig,
+                                   load_config_file)
 from kvdisagg.proxy.discovery import (Discovery, DiscoveryError, DnsSource, Target, address_urls,
                                       desired, parse_endpoints, parse_pods, parse_target, plan,
                                       srv_urls)
@@ -330,6 +331,7 @@ def test_proxy_follows_dns_under_load_without_failing_a_request() -> None:
                 health=HealthConfig(interval_s=0.2, timeout_s=0.5, startup_timeout_s=2.0),
                 timeouts=TimeoutConfig(prefill_s=2.0, decode_connect_s=2.0, decode_total_s=5.0,
                                        decode_idle_s=1.0),
+                decision=DecisionConfig(enabled=False),  # prefill gets every request
                 drain_timeout_s=2.0)
             app = make_app(config=cfg)
             client = TestClient(TestServer(app, host="127.0.0.1"))

@@ -1,7 +1,6 @@
 """The aiohttp application: endpoints, wiring, and the staged shutdown.
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the handoff, see
-``handoff.py``), ``GET /v1/models``, ``GET /health`` (liveness), ``GET /readiness`` (can it
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``serving.py``), ``GET /v1/models``, ``GET /health`` (liveness), ``GET /readiness`` (can it
 route a request now), ``GET /metrics`` (Prometheus). The admin API (``admin.py``) is an
 application of its own (``app[ADMIN]``), served on its own listener when ``admin.port`` is set.
 """
@@ -20,17 +19,17 @@ from kvdisagg.proxy import admin
 from kvdisagg.proxy.config import ProxyConfig, TimeoutConfig, instances_from_urls
 from kvdisagg.proxy.discovery import Discovery
 from kvdisagg.proxy.errors import error_response
-from kvdisagg.proxy.handoff import Handoff
 from kvdisagg.proxy.metrics import Metrics
 from kvdisagg.proxy.policies import Side, make_policy
 from kvdisagg.proxy.registry import Registry
+from kvdisagg.proxy.serving import Serving
 from kvdisagg.proxy.upstream import UpstreamError
 from kvdisagg.tracing import Tracer
 
 log = logging.getLogger("kvdisagg.proxy")
 
 REGISTRY = web.AppKey("registry", Registry)
-HANDOFF = web.AppKey("handoff", Handoff)
+SERVING = web.AppKey("serving", Serving)
 METRICS = web.AppKey("metrics", Metrics)
 CONFIG = web.AppKey("config", ProxyConfig)
 DISCOVERY = web.AppKey("discovery", Discovery)
@@ -69,21 +68,21 @@ def make_app(prefill_urls: list[str] | None = None, decode_urls: list[str] | Non
     metrics = Metrics(cfg.slo)
     if tracer is None:
         tracer = Tracer.otlp(cfg.otlp_traces_endpoint, "kvdisagg-proxy")
-    handoff = Handoff(cfg, registry, metrics,
+    serving = Serving(cfg, registry, metrics,
                       make_policy(cfg.policy.prefill, cfg.policy, cfg.slo),
                       make_policy(cfg.policy.decode, cfg.policy, cfg.slo), tracer)
     app = web.Application(client_max_size=cfg.max_body_bytes)
-    app[CONFIG], app[REGISTRY], app[METRICS], app[HANDOFF] = cfg, registry, metrics, handoff
+    app[CONFIG], app[REGISTRY], app[METRICS], app[SERVING] = cfg, registry, metrics, serving
     discovery = Discovery(cfg.discovery, registry, cfg.drain_timeout_s,
                           on_error=lambda s: metrics.discovery_error(s.role.value, s.label))
     app[DISCOVERY] = discovery
     app[ADMIN] = admin.make_admin_app(cfg, registry, discovery.found)
 
     async def completions(request: web.Request) -> web.StreamResponse:
-        return await handoff.serve(request, chat=False)
+        return await serving.serve(request, chat=False)
 
     async def chat(request: web.Request) -> web.StreamResponse:
-        return await handoff.serve(request, chat=True)
+        return await serving.serve(request, chat=True)
 
     async def models(request: web.Request) -> web.Response:
         """Model listing comes from a decode instance: it is the engine that serves tokens."""
@@ -105,9 +104,9 @@ def make_app(prefill_urls: list[str] | None = None, decode_urls: list[str] | Non
     async def readiness(_request: web.Request) -> web.Response:
         p = len(registry.candidates(Side.PREFILL))
         d = len(registry.candidates(Side.DECODE))
-        ready = (not handoff.shutting_down and d > 0
+        ready = (not serving.shutting_down and d > 0
                  and (p > 0 or cfg.retry.decode_only_fallback))
-        body = {"ready": ready, "shutting_down": handoff.shutting_down,
+        body = {"ready": ready, "shutting_down": serving.shutting_down,
                 "prefill": {"healthy": p, "total": len(registry.members(Side.PREFILL))},
                 "decode": {"healthy": d, "total": len(registry.members(Side.DECODE))}}
         return web.Response(body=_encode(body), status=200 if ready else 503,
@@ -167,15 +166,15 @@ async def serve(cfg: ProxyConfig) -> int:
     for sig in HANDLED_SIGNALS:
         loop.add_signal_handler(sig, on_signal)
     await stop.wait()
-    app[HANDOFF].shutting_down = True
+    app[SERVING].shutting_down = True
     log.info("Shutting down: no longer accepting connections.")
     server = getattr(site, "_server", None)
     if server is not None:
         server.close()
-    handoff = app[HANDOFF]
+    serving = app[SERVING]
     log.info("Waiting for %d in-flight requests (at most %.0fs; signal again to force quit).",
              app[METRICS].in_flight, cfg.drain_timeout_s)
-    drained = loop.create_task(handoff.idle.wait())
+    drained = loop.create_task(serving.idle.wait())
     forced = loop.create_task(force.wait())
     done, _ = await asyncio.wait({drained, forced}, timeout=cfg.drain_timeout_s,
                                  return_when=asyncio.FIRST_COMPLETED)

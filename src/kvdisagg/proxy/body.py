@@ -45,6 +45,17 @@ class ClientBody(NamedTuple):
     stream: bool
     route: RouteRequest
     slo: dict[str, Any] | None = None  # the client's validated kvdisagg_slo, for prefill
+    prompts: list[Any] | None = None
+    """A completions request with several prompts: each is served as its own request (its own
+    handoff) and the answers merged (fanout.py)."""
+    local_reason: str | None = None
+    """Set when only decode can serve this form well: prompt logprobs make vLLM recompute the
+    prompt whatever KV it was given, beam search runs step by step in vLLM's server."""
+
+    @property
+    def n(self) -> int:
+        n = self.fields.get("n")
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
 
 
 def _prompt_text(fields: dict[str, Any], chat: bool) -> tuple[str, int | None]:
@@ -93,7 +104,28 @@ def parse(raw: bytes, chat: bool, prefix_chars: int) -> ClientBody:
         mt = fields.get("max_tokens")
     max_tokens = mt if isinstance(mt, int) and mt > 0 else 16
     key = text[:prefix_chars].encode("utf-8", "surrogatepass")
-    return ClientBody(raw, fields, chat, stream, RouteRequest(key, tokens, max_tokens), slo)
+    prompt = fields.get("prompt")
+    prompts = (prompt if not chat and isinstance(prompt, list) and len(prompt) > 1
+               and all(isinstance(p, (str, list)) for p in prompt) else None)
+    return ClientBody(raw, fields, chat, stream, RouteRequest(key, tokens, max_tokens), slo,
+                      prompts, _local_reason(fields))
+
+
+def _local_reason(fields: dict[str, Any]) -> str | None:
+    if fields.get("prompt_logprobs") is not None or (
+            fields.get("echo") is True and fields.get("logprobs") not in (None, False)):
+        return "prompt_logprobs"
+    if fields.get("use_beam_search") is True:
+        return "beam_search"
+    return None
+
+
+def with_prompt(body: ClientBody, prompt: Any, prefix_chars: int) -> ClientBody:
+    """One prompt of a several-prompt completions request, as a request of its own."""
+    fields = dict(body.fields)
+    fields["prompt"] = prompt
+    sub = parse(_encode(fields), body.chat, prefix_chars)
+    return sub._replace(slo=body.slo)
 
 
 def _client_slo(params: Any) -> dict[str, Any] | None:
@@ -115,8 +147,12 @@ def prefill_body(body: ClientBody, trace: str = "") -> bytes:
     out["max_tokens"] = 1
     if body.chat or "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
-    out.pop("stream_options", None)
-    out.pop("min_tokens", None)
+    # One handoff per prompt: the n samples all continue it on decode (its connector lets the
+    # siblings share one pull through decode's prefix cache).
+    if "n" in out:
+        out["n"] = 1
+    for key in ("stream_options", "min_tokens", "best_of"):
+        out.pop(key, None)
     params = PREFILL_KV_PARAMS
     if body.slo is not None:
         params = {**params, SLO_PARAMS_KEY: body.slo}

@@ -50,6 +50,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a target /admin/add may add: a CIDR or a host name (exact or "
                    "*.suffix); repeatable")
     p.add_argument("--admin-key", help=argparse.SUPPRESS)  # refused: argv is public
+    p.add_argument("--always-disaggregate", action="store_true",
+                   help="send every request through prefill (no per-request decision)")
+    p.add_argument("--local-prefill-tokens", type=int, metavar="N",
+                   help="decode serves a request alone when it would compute at most N "
+                   "prompt tokens itself (default 512)")
     p.add_argument("--no-decode-only-fallback", action="store_true",
                    help="fail instead of letting decode recompute when no prefill is usable")
     p.add_argument("--health-interval", type=float, metavar="S")
@@ -93,6 +98,11 @@ def config_from_args(args: argparse.Namespace):  # -> ProxyConfig
         cfg = rep(cfg, slo=rep(cfg.slo, **slo))  # build_config's validate() converts the enum
     if args.no_decode_only_fallback:
         cfg = rep(cfg, retry=rep(cfg.retry, decode_only_fallback=False))
+    dec = {k: v for k, v in (("enabled", False if args.always_disaggregate else None),
+                             ("local_prefill_tokens", args.local_prefill_tokens))
+           if v is not None}
+    if dec:
+        cfg = rep(cfg, decision=rep(cfg.decision, **dec))
     if args.health_interval is not None:  # 0 is refused by validate(), not ignored
         cfg = rep(cfg, health=rep(cfg.health, interval_s=args.health_interval))
     if args.prefill_dns or args.decode_dns:

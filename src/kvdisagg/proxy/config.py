@@ -140,6 +140,18 @@ class PolicyConfig(_Base):
     """least_loaded: 512 in-flight tokens weigh one request."""
 
 
+class DecisionConfig(_Base):
+    """Per request: disaggregate, or let decode compute the prompt itself (decide.py)."""
+
+    enabled: bool = True
+    """false (``--always-disaggregate``): every request goes through prefill, whatever its
+    length or decode's cache."""
+    local_prefill_tokens: Annotated[int, msgspec.Meta(ge=0)] = 512
+    """Decode serves a request alone when it would compute at most this many prompt tokens
+    itself (the prompt minus its cached prefix); scaled down as decode's predicted TPOT nears
+    ``slo.tpot_s``. Measured default: docs/benchmarks.md."""
+
+
 class KubernetesDiscovery(_Base):
     """Members from the Kubernetes API: ready pods matching a label selector, read with the
     in-cluster service account (token and CA under ``/var/run/secrets/kubernetes.io/``)."""
@@ -263,6 +275,7 @@ class ProxyConfig(_Base):
     slo: SloConfig = msgspec.field(default_factory=SloConfig)
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
     discovery: DiscoveryConfig = msgspec.field(default_factory=DiscoveryConfig)
+    decision: DecisionConfig = msgspec.field(default_factory=DecisionConfig)
     api_key: str | None = None
     """Replaces the client's Authorization on upstream legs."""
     admin: AdminConfig = msgspec.field(default_factory=AdminConfig)

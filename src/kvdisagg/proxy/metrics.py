@@ -65,7 +65,7 @@ class Metrics:
         self.requests: dict[tuple[str, str], int] = {}
         self.errors: dict[tuple[str, str, str], int] = {}
         self.missing_kv: dict[str, int] = {}
-        self.decode_only: dict[str, int] = {}
+        self.routes: dict[tuple[str, str], int] = {}
         self.rejections: dict[str, int] = {}
         self.discovery_errors: dict[tuple[str, str], int] = {}
         self.ttft = Histogram(P + "ttft_seconds", "Time to first token (streaming).",
@@ -95,8 +95,11 @@ class Metrics:
     def missing_kv_params(self, url: str) -> None:
         self.missing_kv[url] = self.missing_kv.get(url, 0) + 1
 
-    def served_decode_only(self, reason: str) -> None:
-        self.decode_only[reason] = self.decode_only.get(reason, 0) + 1
+    def routed(self, route: str, reason: str) -> None:
+        """A request (each prompt of a several-prompt one) served disaggregated (``pd``) or by
+        decode alone (``decode_only``), and why."""
+        k = (route, reason)
+        self.routes[k] = self.routes.get(k, 0) + 1
 
     def rejected(self, reason: str) -> None:
         self.rejections[reason] = self.rejections.get(reason, 0) + 1
@@ -171,9 +174,10 @@ class Metrics:
         add(f"# TYPE {P}missing_kv_transfer_params_total counter\n")
         for url, n in sorted(self.missing_kv.items()):
             add(f"{P}missing_kv_transfer_params_total{_labels(instance=url)} {n}\n")
-        add(f"# TYPE {P}decode_only_total counter\n")
-        for reason, n in sorted(self.decode_only.items()):
-            add(f"{P}decode_only_total{_labels(reason=reason)} {n}\n")
+        add(f"# HELP {P}routed_total Requests served disaggregated (route=pd) or by decode "
+            f"alone (route=decode_only), by reason.\n# TYPE {P}routed_total counter\n")
+        for (route, reason), n in sorted(self.routes.items()):
+            add(f"{P}routed_total{_labels(route=route, reason=reason)} {n}\n")
         add(f"# HELP {P}rejected_total Requests turned away before any leg, with Retry-After.\n"
             f"# TYPE {P}rejected_total counter\n")
         for reason, n in sorted(self.rejections.items()):

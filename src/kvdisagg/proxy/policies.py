@@ -2,7 +2,7 @@
 
 A policy only selects. It does no I/O and never blocks; what it reads (in-flight counts, vLLM
 queue gauges scraped by the registry, live latency estimates) is kept current by
-``registry.py`` and ``handoff.py``. Prefill and decode each get their own policy instance, so
+``registry.py`` and the stages of ``serving.py``. Prefill and decode each get their own policy instance, so
 ``--prefill-policy prefix_aware --decode-policy least_loaded`` works. A new policy is a small
 class with ``name`` and ``select``, added to ``POLICIES``.
 

@@ -37,7 +37,9 @@ class Fleet:
                  prefill_args: Sequence[str] = (), decode_args: Sequence[str] = (),
                  reference_args: Sequence[str] = (), proxy_args: Sequence[str] = (),
                  binds: dict[str, str | None] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, always_disaggregate: bool = True) -> None:
+        """``always_disaggregate``: the proxy sends every request through prefill (what tests
+        of the handoff want); False: the proxy decides per request, as it does by default."""
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = log_dir
         bind = {"prefill": "0", "decode": "1", "reference": "nobind", **(binds or {})}
@@ -57,7 +59,7 @@ class Fleet:
                                      extra_args=list(reference_args))
                           if reference else None)
         self.proxy_port = free_port()
-        self.proxy_args = list(proxy_args)
+        self.proxy_args = ["--always-disaggregate"] * always_disaggregate + list(proxy_args)
         self.proxy: subprocess.Popen[bytes] | None = None
 
     @property

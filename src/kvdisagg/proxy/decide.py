@@ -1,0 +1,107 @@
+"""Per request: disaggregate, or let decode serve the prompt alone (issue 15).
+
+**Why.** A handoff has a fixed cost: a second request, a pull, decode admitting the request a
+second time. A short prompt, or a follow-up turn whose prefix decode already holds (its prompt
+and its answer are in decode's prefix cache), costs decode less to compute than the handoff
+costs the client: disaggregating it makes TTFT worse than a plain vLLM instance's, for nothing.
+Long fresh prompts are where splitting pays: decode's running streams are not stalled by them.
+
+**What.** Decode is chosen first: the candidate holding the longest cached prefix of the prompt
+(from vLLM's KV events, when the proxy has them), unless it is busier than the least loaded
+by more than ``policy.prefix_load_slack`` legs; otherwise the decode policy's pick. The prompt
+tokens that decode would compute itself (the prompt minus that prefix) decide:
+``<= decision.local_prefill_tokens`` (scaled down as decode's predicted TPOT nears
+``slo.tpot_s``: a decode under TPOT pressure gets fewer local prefills) -> decode alone;
+more -> disaggregated. A request form that only decode serves well (``body.local_reason``)
+goes to decode alone whatever its length.
+
+**Inputs.** The request's prompt tokens (exact token ids when the proxy has a tokenizer, else
+an estimate), what each instance caches (``CacheView``), decode's live TPOT estimate and load.
+A wrong prediction costs latency, never a request: decode computes what it lacks.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple, Protocol, Sequence
+
+from kvdisagg.proxy.body import ClientBody
+from kvdisagg.proxy.config import ProxyConfig
+from kvdisagg.proxy.policies import Policy, Selection, SloAware, Side, Verdict, load_score
+from kvdisagg.proxy.registry import Instance, Registry
+
+
+class Route(str, enum.Enum):
+    PD = "pd"  # prefill leg, then decode pulls the KV
+    DECODE_ONLY = "decode_only"  # decode computes the prompt itself
+
+
+class CacheView(Protocol):
+    """What each instance's prefix cache holds of a prompt (proxy/prefix_index.py)."""
+
+    def cached_tokens(self, token_ids: Sequence[int]) -> dict[str, int]: ...
+
+
+class Decision(NamedTuple):
+    route: Route
+    reason: str  # label of kvdisagg_proxy_routed_total
+    decode: Selection  # the decode chosen (instance None: none routable now)
+    uncached_tokens: int  # prompt tokens decode would compute itself (predicted)
+    cached_tokens: int  # prompt tokens decode holds (predicted)
+    threshold: int  # the local-prefill bound in force for this decode
+
+
+class Decider:
+    def __init__(self, cfg: ProxyConfig, registry: Registry, decode_policy: Policy,
+                 cache: CacheView | None = None) -> None:
+        self.cfg = cfg
+        self.registry = registry
+        self.decode_policy = decode_policy
+        self.cache = cache
+
+    def choose_decode(self, body: ClientBody, cands: Sequence[Instance],
+                      hits: dict[str, int] | None = None) -> Selection:
+        """The decode holding the longest prefix unless overloaded, else the policy's pick."""
+        if not cands:
+            return Selection(None, Verdict.NO_CANDIDATE)
+        if hits:
+            w = self.cfg.policy.token_weight
+            least = min(load_score(c, Side.DECODE, w) for c in cands)
+            slack = self.cfg.policy.prefix_load_slack
+            sticky = [c for c in cands if hits.get(c.url, 0) > 0
+                      and load_score(c, Side.DECODE, w) <= least + slack]
+            if sticky:
+                return Selection(max(sticky, key=lambda c: (hits.get(c.url, 0),
+                                                            -load_score(c, Side.DECODE, w))),
+                                 Verdict.OK)
+        return self.decode_policy.select(body.route, cands, Side.DECODE)
+
+    def threshold(self, decode: Instance) -> int:
+        """``local_prefill_tokens``, scaled by decode's TPOT headroom (1 when unmeasured)."""
+        base = self.cfg.decision.local_prefill_tokens
+        if decode.tpot_s is None:
+            return base
+        headroom = 1.0 - SloAware.predict_tpot(decode) / self.cfg.slo.tpot_s
+        return int(base * min(1.0, max(0.0, headroom)))
+
+    def decide(self, body: ClientBody, token_ids: Sequence[int] | None = None) -> Decision:
+        hits = (self.cache.cached_tokens(token_ids)
+                if self.cache is not None and token_ids is not None else {})
+        sel = self.choose_decode(body, self.registry.candidates(Side.DECODE), hits)
+        prompt = len(token_ids) if token_ids is not None else body.route.prompt_tokens
+        decode = sel.instance
+        if not isinstance(decode, Instance):  # none routable: the decode stage says so
+            return Decision(Route.PD, "no_decode", sel, prompt, 0, 0)
+        cached = min(prompt, hits.get(decode.url, 0))
+        uncached, threshold = prompt - cached, self.threshold(decode)
+
+        def decided(route: Route, reason: str) -> Decision:
+            return Decision(route, reason, sel, uncached, cached, threshold)
+
+        if body.local_reason is not None:
+            return decided(Route.DECODE_ONLY, body.local_reason)
+        if not self.cfg.decision.enabled:
+            return decided(Route.PD, "always")
+        if uncached > threshold:
+            return decided(Route.PD, "uncached_prompt")
+        return decided(Route.DECODE_ONLY, "cached_prefix" if cached else "short_prompt")

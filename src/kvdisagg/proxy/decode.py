@@ -1,0 +1,280 @@
+"""The decode stage: open a decode leg that answered (with retries), then relay it.
+
+Timeouts bound a dead instance, not a slow generation: decode waits for headers, a non-streamed
+body or a stream's first event up to ``timeouts.decode_total_s`` (vLLM sends a non-streamed
+answer's headers only when generation is done); health probes are the liveness check in
+between (``registry.py`` fails the legs waiting on an instance that turns unhealthy).
+
+Failure rules before the client saw a byte (``open_decode``): retry on another decode while
+``decode_total_s`` (the whole decode phase, retries included) lasts; a refused connection
+reuses the handoff (decode never saw it), anything else re-prefills first (the KV may be gone);
+a stream whose first event is an error (vLLM's answer to a failed KV load) counts as failing
+before the first byte; with no other decode, one that answered (it is alive; its KV source may
+have died) gets the retry with a fresh handoff, and a 500 or error event after a handoff does
+not open its breaker. Once the client has bytes (``relay_stream``), a decode failure ends the
+stream with an error event then ``[DONE]``. A client that goes away cancels the handler, which
+aborts the upstream connection: vLLM then aborts the request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, NamedTuple
+
+from aiohttp import web
+
+from kvdisagg.proxy import body as bodies
+from kvdisagg.proxy.config import Admission
+from kvdisagg.proxy.errors import error_event, error_response
+from kvdisagg.proxy.legs import (RETRYABLE_STATUS, FailKind, LegFailure, LegScope, kind_of,
+                                 outcome_of, status_outcome)
+from kvdisagg.proxy.policies import Selection, Side, Verdict
+from kvdisagg.proxy.prefill import Prefilled, prefill
+from kvdisagg.proxy.registry import Instance, Outcome
+from kvdisagg.proxy.upstream import Response, UpstreamError, UpstreamTimeout
+from kvdisagg.tracing import event, traceparent_of
+
+if TYPE_CHECKING:
+    from kvdisagg.proxy.serving import RequestCtx, Serving
+
+log = logging.getLogger("kvdisagg.proxy")
+_now = time.perf_counter  # uvloop's loop.time() has 1 ms resolution: too coarse for TPOT
+ERROR_EVENT = b'data: {"error"'  # vLLM's streamed error, e.g. after a failed KV load
+_CLIENT_HIGH_WATER = 1 << 20  # client write buffer that pauses reading the decode stream
+
+
+class Opened(NamedTuple):
+    """A decode leg that answered and whose answer nobody has seen yet. ``head``: the whole
+    body (not streamed, or an error status) or the stream's first chunk (None: it ended at
+    once). The leg stays open (``leg``) until the relay closes it."""
+
+    inst: Instance
+    resp: Response
+    leg: LegScope
+    head: bytes | None
+    sent_at: float  # when the leg was sent
+    pre: Prefilled  # the handoff this leg carries (the last one, after re-prefills)
+
+
+class _Failed(NamedTuple):
+    failure: LegFailure
+    answered: bool  # the instance answered over HTTP: alive, may take a retry
+    reprefill: bool  # the handoff may be gone: prefill again before retrying
+
+
+async def open_decode(s: Serving, ctx: RequestCtx, pre: Prefilled,
+                      first: Selection | None = None) -> Opened | web.Response:
+    """A decode leg that answered, or the client's error. ``first``: the decode the decision
+    chose (used for the first try)."""
+    cfg, reg = s.cfg, s.registry
+    deadline = _now() + cfg.timeouts.decode_total_s  # the decode phase, retries included
+    tried: list[Instance] = []
+    answered: list[Instance] = []
+    failures: list[LegFailure] = []
+    for attempt in range(cfg.retry.decode_attempts):
+        if deadline - _now() <= 0:
+            break
+        if attempt == 0 and first is not None and first.instance is not None:
+            sel = first
+        else:
+            cands = reg.candidates(Side.DECODE, tuple(tried))
+            if not cands and answered:
+                # No other decode: one that answered with an error (typically a KV load that
+                # failed because its prefill died) gets the retry, with a fresh handoff.
+                cands = [i for i in reg.candidates(Side.DECODE) if i in answered]
+            sel = s.decider.choose_decode(ctx.body, cands)
+        inst = sel.instance
+        if inst is None:
+            break
+        assert isinstance(inst, Instance)
+        if (sel.verdict is Verdict.SLO_MISS and attempt == 0
+                and cfg.slo.admission == Admission.SHED):
+            return s.reject(429, "slo_tpot", f"no decode instance is predicted to meet the "
+                            f"TPOT SLO (best {inst.url}: {sel.predicted_s:.4f}s > "
+                            f"{cfg.slo.tpot_s}s)", "rate_limit_exceeded")
+        if tried:
+            tried[-1].retries[Side.DECODE] += 1
+        res = await _attempt(s, ctx, inst, pre, deadline)
+        if isinstance(res, Opened):
+            return res
+        failures.append(res.failure)
+        tried.append(inst)
+        if res.answered:
+            answered.append(inst)
+        log.warning("request %s: decode attempt %d/%d failed: %s", ctx.rid, attempt + 1,
+                    cfg.retry.decode_attempts, res.failure.message)
+        if (res.reprefill and pre.kv is not None and attempt + 1 < cfg.retry.decode_attempts
+                and deadline > _now()):
+            again = await prefill(s, ctx)
+            if isinstance(again, web.Response):
+                return again
+            pre = again
+    if not failures:
+        return s.reject(503, "no_healthy_decode", "no healthy decode instance",
+                        retry_after_s=cfg.health.interval_s)
+    status = 504 if all(f.status == 504 for f in failures) else 502
+    return error_response(status, "decode failed: " + "; ".join(f.message for f in failures),
+                          "upstream_error")
+
+
+async def _attempt(s: Serving, ctx: RequestCtx, inst: Instance, pre: Prefilled,
+                   deadline: float) -> Opened | _Failed:
+    t = s.cfg.timeouts
+    span = s.tracer.start("decode_leg", traceparent_of(ctx.root), attributes={
+        "kvdisagg.instance": inst.url, "kvdisagg.mode": pre.header}) if ctx.root else None
+    dbody = bodies.decode_body(ctx.body, pre.kv, traceparent_of(span))
+    sent_at = _now()
+    leg = LegScope(inst, Side.DECODE, ctx.body.route.max_tokens, s.metrics, span)
+    try:
+        # Headers may come only when generation is done (vLLM, not streamed).
+        left = deadline - sent_at
+        resp = await inst.pool.request(b"POST", ctx.path, dbody, ctx.leg_headers(span),
+                                       connect_s=min(t.decode_connect_s, left), headers_s=left)
+    except UpstreamError as exc:
+        leg.fail(kind_of(exc), outcome_of(exc))
+        # A refused connection: decode never saw the handoff, which can be used again.
+        return _Failed(LegFailure.of(exc, f"decode {inst.url}: {exc}"), False, exc.sent)
+    except asyncio.CancelledError:
+        leg.close(Outcome.CANCELLED, "cancelled")
+        raise
+    try:
+        if resp.status >= 500 or resp.status in RETRYABLE_STATUS:
+            try:
+                data = await resp.read(max(0.001, min(t.decode_idle_s, deadline - _now())))
+            except UpstreamError:
+                data = b""
+            # vLLM answers 500 to a failed KV load, which may be the prefill's fault: counted,
+            # but not held against this decode's breaker.
+            neutral = resp.status == 500 and pre.kv is not None
+            leg.fail(FailKind.STATUS, Outcome.NEUTRAL if neutral
+                     else status_outcome(resp.status))
+            return _Failed(LegFailure(FailKind.STATUS, f"decode {inst.url} returned "
+                                      f"{resp.status}: {data[:300].decode('utf-8', 'replace')}",
+                                      502), True, True)
+        if not ctx.body.stream or not 200 <= resp.status < 300:
+            head: bytes | None = await resp.read(max(0.001, deadline - _now()))
+        else:
+            head = await resp.next_chunk(max(0.001, deadline - _now()))
+            if head is not None and head.startswith(ERROR_EVENT):
+                resp.close()
+                # After a handoff the KV source may be at fault (a dead prefill): counted,
+                # but not against this decode's breaker.
+                leg.fail(FailKind.ERROR_EVENT,
+                         Outcome.BROKEN if pre.kv is None else Outcome.NEUTRAL)
+                return _Failed(LegFailure(
+                    FailKind.ERROR_EVENT, f"decode {inst.url} answered with an error event: "
+                    f"{head[6:300].decode('utf-8', 'replace').strip()}", 502), True, True)
+    except UpstreamError as exc:
+        leg.fail(kind_of(exc), outcome_of(exc))
+        return _Failed(LegFailure.of(exc, f"decode {inst.url} failed before the first "
+                                     f"byte: {exc}"), True, True)
+    except BaseException:
+        leg.close(Outcome.CANCELLED, "cancelled")
+        resp.close()
+        raise
+    return Opened(inst, resp, leg, head, sent_at, pre)
+
+
+def out_headers(ctx: RequestCtx, opened: Opened, handoff: str) -> dict[str, str]:
+    ctype = (opened.resp.header(b"content-type") or b"application/json").decode("latin-1")
+    return {"Content-Type": ctype, "X-Request-Id": ctx.rid, "X-Kvdisagg-Handoff": handoff}
+
+
+def finish_body(s: Serving, ctx: RequestCtx, opened: Opened) -> tuple[web.Response, str]:
+    """A whole (non-streamed or error) answer: close the leg, account, hand it over."""
+    opened.leg.close(Outcome.OK)
+    status = opened.resp.status
+    data = opened.head or b""
+    if 200 <= status < 300:
+        e2e = _now() - ctx.t0
+        s.metrics.e2e.observe(e2e)
+        s.metrics.judge(opened.inst.url, e2e, None, None, bodies.completion_tokens(data))
+    return (web.Response(body=data, status=status,
+                         headers=out_headers(ctx, opened, opened.pre.header)),
+            "ok" if status < 400 else "error")
+
+
+async def relay_stream(s: Serving, request: web.Request, ctx: RequestCtx,
+                       opened: Opened) -> tuple[web.StreamResponse, str]:
+    """Pass decode's stream to the client byte for byte, timing it on the way. Only
+    ``deadline`` bounds the whole (a stream may take as long as generation), and
+    ``decode_idle_s`` the silence between chunks."""
+    t, m = s.cfg.timeouts, s.metrics
+    inst, resp, head, leg = opened.inst, opened.resp, opened.head, opened.leg
+    deadline = opened.sent_at + t.decode_total_s
+    out = _Stream(status=resp.status, headers=out_headers(ctx, opened, opened.pre.header))
+    out.headers["Cache-Control"] = "no-cache"
+    chunked = request.version >= (1, 1)
+    if chunked:
+        out.enable_chunked_encoding()
+    first = _now()
+    m.decode_first_token.observe(first - opened.sent_at)
+    event(leg.span, "first_token")
+    stats = [0, first]  # SSE events seen, time of the last one
+    outcome, result = "error", Outcome.BROKEN
+    try:
+        await out.prepare(request)
+        try:
+            if head is not None:
+                stats[0] = head.count(b"data:")
+                await out.write(head)  # with the headers, through aiohttp's writer
+                event(leg.span, "first_byte")
+                transport = request.transport
+                if transport is None:
+                    raise ConnectionResetError("client went away")
+
+                def sink(data: bytes) -> bool:
+                    """Runs in the upstream's data_received: write through, no task switch."""
+                    n = data.count(b"data:")
+                    if n:
+                        stats[0] += n
+                        if n > 1 or not data.startswith(b"data: [DONE]"):
+                            stats[1] = _now()  # a lone [DONE] carries no token
+                    if transport.is_closing():
+                        return True  # the relay's drain() then raises
+                    if chunked:  # the framing aiohttp's writer would add, in one write
+                        transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+                    else:
+                        transport.write(data)
+                    return transport.get_write_buffer_size() > _CLIENT_HIGH_WATER
+
+                # request.writer.drain() waits until the client's transport drains
+                await resp.relay(sink, request.writer.drain, t.decode_idle_s,
+                                 max(0.001, deadline - _now()))
+            outcome, result = "ok", Outcome.OK
+        except UpstreamError as exc:
+            result = outcome_of(exc)
+            m.leg_error(inst.url, Side.DECODE, kind_of(exc).value)
+            log.warning("request %s: decode %s failed mid-stream: %s", ctx.rid, inst.url, exc)
+            await out.write(error_event(504 if isinstance(exc, UpstreamTimeout) else 502,
+                                        f"decode {inst.url} failed mid-stream: {exc}"))
+        await out.write_eof()
+    except (asyncio.CancelledError, ConnectionResetError):
+        result, outcome = Outcome.CANCELLED, "cancelled"
+        resp.close()
+        raise
+    finally:
+        leg.close(result, outcome)
+    events, last = stats
+    if result is Outcome.OK:
+        e2e = _now() - ctx.t0
+        m.e2e.observe(e2e)
+        ttft = first - ctx.t0
+        m.ttft.observe(ttft)
+        n_tokens = events - 1  # the final [DONE]
+        # Events that arrived together (one read) count as delivered at once: TPOT 0.
+        tpot = (last - first) / (n_tokens - 1) if n_tokens >= 2 else None
+        if tpot is not None:
+            m.tpot.observe(tpot)
+            inst.observe_tpot(tpot)
+        m.judge(inst.url, e2e, ttft, tpot, None)
+    return out, outcome
+
+
+class _Stream(web.StreamResponse):
+    """Headers go out with the first chunk (one write, not two); aiohttp's ``web.Response``
+    does the same for whole bodies. The relay only prepares once it holds that chunk."""
+
+    _send_headers_immediately = False

@@ -1,0 +1,94 @@
+"""Upstream legs: how one ended, as types, and the bookkeeping every leg owes.
+
+A leg is one HTTP request to one instance, prefill or decode. However it ends, four things are
+owed exactly once: the instance's in-flight count and breaker (``Outcome``), the error counter
+(``FailKind``), and the leg's span. ``LegScope`` owns them, so the stages that run legs only
+say what happened.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, NamedTuple
+
+from aiohttp import web
+
+from kvdisagg.proxy.metrics import Metrics
+from kvdisagg.proxy.policies import Side
+from kvdisagg.proxy.registry import Instance, Outcome
+from kvdisagg.proxy.upstream import Abandoned, ConnectError, UpstreamError, UpstreamTimeout
+from kvdisagg.tracing import end
+
+RETRYABLE_STATUS = frozenset((408, 429))
+
+
+class FailKind(str, enum.Enum):
+    """Why a leg failed; the ``kind`` label of ``kvdisagg_proxy_instance_errors_total``."""
+
+    CONNECT = "connect"  # no connection: the instance never saw the request
+    TIMEOUT = "timeout"  # a bound ran out (load, not breakage)
+    UNHEALTHY = "unhealthy"  # abandoned: the instance's probes say it is gone
+    STREAM = "stream"  # the connection broke while the answer came
+    STATUS = "status"  # an error status
+    ERROR_EVENT = "error_event"  # a stream whose first event is an error (a failed KV load)
+    MISSING_KV_PARAMS = "missing_kv_params"  # prefill answered without kv_transfer_params
+
+
+class LegFailure(NamedTuple):
+    """Why a leg failed; ``client_error`` goes back to the client unchanged (a 4xx)."""
+
+    kind: FailKind
+    message: str
+    status: int  # what the client gets if this is the last word
+    client_error: web.Response | None = None
+    sent: bool = True  # the upstream may have seen the request
+
+    @classmethod
+    def of(cls, exc: UpstreamError, message: str) -> LegFailure:
+        return cls(kind_of(exc), message, 504 if isinstance(exc, UpstreamTimeout) else 502,
+                   sent=exc.sent)
+
+
+def kind_of(exc: UpstreamError) -> FailKind:
+    if isinstance(exc, ConnectError):
+        return FailKind.CONNECT
+    if isinstance(exc, UpstreamTimeout):
+        return FailKind.TIMEOUT
+    if isinstance(exc, Abandoned):
+        return FailKind.UNHEALTHY
+    return FailKind.STREAM
+
+
+def outcome_of(exc: UpstreamError) -> Outcome:
+    """A timeout is load (the instance may be busy with others' work), not breakage."""
+    return Outcome.NEUTRAL if isinstance(exc, UpstreamTimeout) else Outcome.BROKEN
+
+
+def status_outcome(status: int) -> Outcome:
+    return Outcome.NEUTRAL if status in RETRYABLE_STATUS else Outcome.BROKEN
+
+
+class LegScope:
+    """One leg's bookkeeping from start to ``close`` (idempotent): the instance's in-flight
+    legs and tokens, its breaker, the error counter and the span."""
+
+    __slots__ = ("inst", "side", "tokens", "metrics", "span", "closed")
+
+    def __init__(self, inst: Instance, side: Side, tokens: int, metrics: Metrics,
+                 span: Any = None) -> None:
+        self.inst, self.side, self.tokens = inst, side, tokens
+        self.metrics, self.span = metrics, span
+        self.closed = False
+        inst.start(side, tokens)
+
+    def fail(self, kind: FailKind, outcome: Outcome) -> None:
+        """Count the failure and end the leg."""
+        self.metrics.leg_error(self.inst.url, self.side, kind.value)
+        self.close(outcome, kind.value)
+
+    def close(self, outcome: Outcome, span_outcome: str | None = None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.inst.finish(self.side, self.tokens, outcome)
+        end(self.span, outcome=span_outcome or outcome.name.lower())

@@ -1,0 +1,147 @@
+"""The prefill stage: one prefill leg per try, until one returns ``kv_transfer_params``.
+
+Failure rules (each retry bounded by ``retry.prefill_attempts`` and logged):
+- 5xx/408/429, a connect error or a timeout: try another prefill instance; when every try
+  failed or no prefill is healthy, decode computes the prompt itself
+  (``retry.decode_only_fallback``), counted by reason;
+- 200 without ``kv_transfer_params``: an explicit, counted event
+  (``kvdisagg_proxy_missing_kv_transfer_params_total``) retried on another prefill, never a
+  silent re-prefill on decode; if every try lacks them the client gets 502;
+- 4xx: the client's request is bad: relayed as is, no retry.
+
+``timeouts.prefill_s`` bounds a leg, queueing included: vLLM sends the headers only when the
+prefill is done, so no shorter bound would not be a guess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, NamedTuple
+
+from aiohttp import web
+
+from kvdisagg.proxy import body as bodies
+from kvdisagg.proxy.config import Admission
+from kvdisagg.proxy.errors import error_body, error_response
+from kvdisagg.proxy.legs import (RETRYABLE_STATUS, FailKind, LegFailure, LegScope, kind_of,
+                                 outcome_of, status_outcome)
+from kvdisagg.proxy.policies import Side, Verdict
+from kvdisagg.proxy.registry import Instance, Outcome
+from kvdisagg.proxy.upstream import UpstreamError
+from kvdisagg.tracing import traceparent_of
+
+if TYPE_CHECKING:
+    from kvdisagg.proxy.serving import RequestCtx, Serving
+
+log = logging.getLogger("kvdisagg.proxy")
+_now = time.perf_counter
+
+
+class Prefilled(NamedTuple):
+    """What the decode leg carries: prefill's raw ``kv_transfer_params``, or None when decode
+    computes the prompt itself (then ``local_reason`` says why)."""
+
+    kv: bytes | None
+    local_reason: str = ""
+
+    @property
+    def header(self) -> str:
+        """``X-Kvdisagg-Handoff``: ``pd`` or ``decode_only:<reason>``."""
+        return "pd" if self.kv is not None else f"decode_only:{self.local_reason}"
+
+
+async def prefill(s: Serving, ctx: RequestCtx) -> Prefilled | web.Response:
+    """kv_transfer_params from some prefill instance, decode-only, or the client's answer."""
+    cfg, reg = s.cfg, s.registry
+    tried: list[Instance] = []
+    failures: list[LegFailure] = []
+    missing_kv = False
+    for attempt in range(cfg.retry.prefill_attempts):
+        sel = s.prefill_policy.select(ctx.body.route, reg.candidates(Side.PREFILL, tuple(tried)),
+                                      Side.PREFILL)
+        inst = sel.instance
+        if inst is None:
+            break
+        assert isinstance(inst, Instance)
+        if sel.verdict is Verdict.SLO_MISS and attempt == 0:
+            if cfg.slo.admission == Admission.SHED:
+                return s.reject(
+                    429, "slo_ttft", f"no prefill instance is predicted to meet the TTFT "
+                    f"SLO (best {inst.url}: {sel.predicted_s:.3f}s > {cfg.slo.ttft_s}s)",
+                    "rate_limit_exceeded")
+            if cfg.slo.admission == Admission.COLOCATE:
+                return Prefilled(None, "colocate")
+        if tried:
+            tried[-1].retries[Side.PREFILL] += 1
+        res = await _leg(s, ctx, inst)
+        if isinstance(res, bytes):
+            return Prefilled(res)
+        if res.client_error is not None:
+            return res.client_error
+        missing_kv |= res.kind is FailKind.MISSING_KV_PARAMS
+        failures.append(res)
+        tried.append(inst)
+        log.warning("request %s: prefill attempt %d/%d failed: %s", ctx.rid, attempt + 1,
+                    cfg.retry.prefill_attempts, res.message)
+    reason = "prefill_failed" if tried else "no_healthy_prefill"
+    if cfg.retry.decode_only_fallback and not missing_kv:
+        log.warning("request %s: serving decode-only (%s)", ctx.rid, reason)
+        return Prefilled(None, reason)
+    if not failures:
+        return s.reject(503, "no_healthy_prefill", "no healthy prefill instance (and "
+                        "decode-only fallback is off: retry.decode_only_fallback)",
+                        retry_after_s=cfg.health.interval_s)
+    status = 504 if not missing_kv and all(f.status == 504 for f in failures) else 502
+    return error_response(status, "prefill failed: " + "; ".join(f.message for f in failures),
+                          "upstream_error")
+
+
+async def _leg(s: Serving, ctx: RequestCtx, inst: Instance) -> bytes | LegFailure:
+    """kv_transfer_params (raw JSON) from one prefill instance, or why not."""
+    t = s.cfg.timeouts
+    span = s.tracer.start("prefill_leg", traceparent_of(ctx.root),
+                          attributes={"kvdisagg.instance": inst.url}) if ctx.root else None
+    pbody = bodies.prefill_body(ctx.body, traceparent_of(span))
+    start = _now()
+    leg = LegScope(inst, Side.PREFILL, ctx.body.route.prompt_tokens, s.metrics, span)
+    try:
+        resp = await inst.pool.request(b"POST", ctx.path, pbody, ctx.leg_headers(span),
+                                       connect_s=min(t.decode_connect_s, t.prefill_s),
+                                       headers_s=t.prefill_s)
+        data = await resp.read(max(0.001, t.prefill_s - (_now() - start)))
+    except UpstreamError as exc:
+        leg.fail(kind_of(exc), outcome_of(exc))
+        return LegFailure.of(exc, f"prefill {inst.url}: {exc}")
+    except asyncio.CancelledError:
+        leg.close(Outcome.CANCELLED)
+        raise
+    status = resp.status
+    if 200 <= status < 300:
+        kv = bodies.kv_params_of(data)
+        if kv is None:
+            s.metrics.missing_kv_params(inst.url)
+            leg.fail(FailKind.MISSING_KV_PARAMS, Outcome.BROKEN)
+            return LegFailure(FailKind.MISSING_KV_PARAMS,
+                              f"prefill {inst.url} returned no kv_transfer_params (is it running "
+                              "with a kv_producer KV connector?)", 502)
+        elapsed = _now() - start
+        inst.observe_prefill(elapsed, ctx.body.route.prompt_tokens)
+        s.metrics.handoff.observe(elapsed)
+        leg.close(Outcome.OK)
+        return kv
+    msg = f"prefill {inst.url} returned {status}: {data[:300].decode('utf-8', 'replace')}"
+    if 400 <= status < 500 and status not in RETRYABLE_STATUS:
+        leg.close(Outcome.OK)  # the instance is fine; the request is not
+        return LegFailure(FailKind.STATUS, msg, status, relay_error(status, data, msg))
+    leg.fail(FailKind.STATUS, status_outcome(status))
+    return LegFailure(FailKind.STATUS, msg, 502)
+
+
+def relay_error(status: int, data: bytes, message: str) -> web.Response:
+    """An upstream 4xx: keep its JSON body if it is OpenAI-style, else wrap the text."""
+    if data.startswith(b"{") and b'"error"' in data[:200]:
+        return web.Response(body=data, status=status, content_type="application/json")
+    return web.Response(body=error_body(status, message, "invalid_request_error"),
+                        status=status, content_type="application/json")

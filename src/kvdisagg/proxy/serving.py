@@ -1,0 +1,171 @@
+"""One client request, from admission to the last byte, as named stages.
+
+    serve:   admission (shutting down, max_in_flight), the request's span and counters
+    parse:   body.parse (400 on a bad body); several prompts -> fanout.py
+    decide:  decide.Decider: disaggregate, or decode alone (and which decode)
+    prefill: prefill.prefill (retries, decode-only fallback)
+    decode:  decode.open_decode (retries, re-prefill), then decode.relay_stream / finish_body
+
+Turned away before any leg (``max_in_flight`` reached, slo_aware shedding, nothing routable,
+shutting down): 429/503 with ``Retry-After``, counted in ``kvdisagg_proxy_rejected_total``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import re
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from kvdisagg.proxy import body as bodies
+from kvdisagg.proxy.config import ProxyConfig
+from kvdisagg.proxy.decide import CacheView, Decider, Route
+from kvdisagg.proxy.decode import Opened, finish_body, open_decode, relay_stream
+from kvdisagg.proxy.errors import error_response
+from kvdisagg.proxy.metrics import Metrics
+from kvdisagg.proxy.policies import Policy
+from kvdisagg.proxy.prefill import Prefilled, prefill
+from kvdisagg.proxy.registry import Registry
+from kvdisagg.tracing import Tracer, end, traceparent_of, valid_traceparent
+
+_RID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+_now = time.perf_counter
+
+
+class RequestCtx:
+    """What every stage of one request reads."""
+
+    __slots__ = ("rid", "body", "path", "headers", "t0", "root")
+
+    def __init__(self, rid: str, body: bodies.ClientBody, path: str, headers: bytes, t0: float,
+                 root: Any) -> None:
+        self.rid, self.body, self.path, self.headers = rid, body, path, headers
+        self.t0, self.root = t0, root
+
+    def leg_headers(self, span: Any) -> bytes:
+        """The legs' headers, with the leg's W3C ``traceparent``: vLLM's own tracing
+        (``--otlp-traces-endpoint``) then nests its request span under the leg."""
+        if span is None:
+            return self.headers
+        return self.headers + b"traceparent: %s\r\n" % traceparent_of(span).encode()
+
+    def with_body(self, body: bodies.ClientBody) -> RequestCtx:
+        return RequestCtx(self.rid, body, self.path, self.headers, self.t0, self.root)
+
+
+class Serving:
+    def __init__(self, cfg: ProxyConfig, registry: Registry, metrics: Metrics,
+                 prefill_policy: Policy, decode_policy: Policy,
+                 tracer: Tracer = Tracer.disabled(), cache: CacheView | None = None) -> None:
+        self.cfg = cfg
+        self.tracer = tracer
+        self.registry = registry
+        self.metrics = metrics
+        self.prefill_policy = prefill_policy
+        self.decider = Decider(cfg, registry, decode_policy, cache)
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.shutting_down = False
+        # Unique request ids without uuid4 per request: a random per-process prefix + a counter.
+        self._rid_prefix = f"kvd-{uuid.uuid4().hex[:12]}-"
+        self._rid_seq = itertools.count(1)
+
+    def _headers(self, request: web.Request, rid: str) -> bytes:
+        auth = (f"Bearer {self.cfg.api_key}" if self.cfg.api_key
+                else request.headers.get("Authorization"))
+        h = f"Content-Type: application/json\r\nX-Request-Id: {rid}\r\n"
+        if auth:
+            h += f"Authorization: {auth}\r\n"
+        return h.encode("latin-1", "replace")
+
+    async def serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        m = self.metrics
+        endpoint = "chat" if chat else "completions"
+        if self.shutting_down:  # a kept-alive client after the listener closed: go elsewhere
+            m.request_done(endpoint, "shed")
+            resp = self.reject(503, "shutting_down", "proxy is shutting down")
+            resp.headers["Connection"] = "close"
+            return resp
+        limit = self.cfg.max_in_flight
+        if limit and m.in_flight >= limit:
+            m.request_done(endpoint, "shed")
+            return self.reject(503, "max_in_flight", f"proxy is serving its max_in_flight "
+                               f"({limit}) requests; retry shortly")
+        t0 = _now()
+        m.in_flight += 1
+        self.idle.clear()
+        outcome = "error"
+        # The request's trace: joins the client's (W3C traceparent header) when it sent one.
+        root = self.tracer.start("kvdisagg.request", valid_traceparent(
+            request.headers.get("traceparent")), server=True,
+            attributes={"http.route": request.path}) if self.tracer.enabled else None
+        try:
+            resp, outcome = await self._serve(request, chat, t0, root)
+            return resp
+        except (asyncio.CancelledError, ConnectionResetError):
+            outcome = "client_disconnect"
+            raise
+        finally:
+            end(root, outcome=outcome)
+            m.in_flight -= 1
+            m.request_done(endpoint, outcome)
+            if not m.in_flight:
+                self.idle.set()
+
+    def reject(self, status: int, reason: str, message: str,
+               type_: str = "service_unavailable", retry_after_s: float = 1.0) -> web.Response:
+        """Turned away before any leg: counted by reason, with a Retry-After to come back."""
+        self.metrics.rejected(reason)
+        return error_response(status, message, type_,
+                              {"Retry-After": str(max(1, math.ceil(retry_after_s)))})
+
+    async def _serve(self, request: web.Request, chat: bool, t0: float,
+                     root: Any) -> tuple[web.StreamResponse, str]:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return error_response(413, f"request body over {self.cfg.max_body_bytes} bytes"), \
+                "error"
+        try:
+            body = bodies.parse(raw, chat, self.cfg.policy.prefix_block_chars)
+        except bodies.BodyError as exc:
+            return error_response(400, str(exc)), "error"
+        rid = request.headers.get("X-Request-Id", "")
+        if not _RID.fullmatch(rid):
+            rid = f"{self._rid_prefix}{next(self._rid_seq):x}"
+        if root is not None:
+            root.set_attribute("kvdisagg.request_id", rid)
+        ctx = RequestCtx(rid, body, request.path, self._headers(request, rid), t0, root)
+        if body.prompts is not None:
+            from kvdisagg.proxy.fanout import serve_prompts
+
+            return await serve_prompts(self, request, ctx)
+        opened = await self.open(ctx)
+        if isinstance(opened, web.Response):
+            return opened, ("shed" if opened.status == 429 else "error")
+        if ctx.body.stream and 200 <= opened.resp.status < 300:
+            return await relay_stream(self, request, ctx, opened)
+        return finish_body(self, ctx, opened)
+
+    async def open(self, ctx: RequestCtx) -> Opened | web.Response:
+        """Decide, prefill if disaggregated, and open a decode leg that answered."""
+        decision = self.decider.decide(ctx.body)
+        if ctx.root is not None:
+            ctx.root.set_attributes({"kvdisagg.route": decision.route.value,
+                                     "kvdisagg.reason": decision.reason,
+                                     "kvdisagg.cached_tokens": decision.cached_tokens,
+                                     "kvdisagg.uncached_tokens": decision.uncached_tokens})
+        if decision.route is Route.PD:
+            pre = await prefill(self, ctx)
+            if isinstance(pre, web.Response):
+                return pre
+        else:
+            pre = Prefilled(None, decision.reason)
+        self.metrics.routed("pd" if pre.kv is not None else "decode_only",
+                            decision.reason if pre.kv is not None else pre.local_reason)
+        return await open_decode(self, ctx, pre, decision.decode)
