@@ -73,23 +73,28 @@ class FakeVllm:
                 return await self._kv_load_failure(request, bool(body.get("stream")))
             if body.get("stream"):
                 n = body.get("max_tokens") if self.use_max_tokens else None
-                return await self._stream(request, chat, n if isinstance(n, int) else None)
+                return await self._stream(request, chat, n if isinstance(n, int) else None, body)
             text = "".join(f"t{i} " for i in range(self.tokens))
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text}}
-                      if chat else {"index": 0, "text": text})
+            choices = [({"index": j, "message": {"role": "assistant", "content": text}}
+                        if chat else {"index": j, "text": text, "prompt_echo": body.get("prompt")})
+                       for j in range(body.get("n") or 1)]
             return web.Response(body=_enc({
-                "id": f"cmpl-{self.name}", "choices": [choice],
-                "usage": {"prompt_tokens": 4, "completion_tokens": self.tokens}}),
+                "id": f"cmpl-{self.name}-{next(self._ids)}", "choices": choices,
+                "usage": {"prompt_tokens": _prompt_tokens(body),
+                          "completion_tokens": self.tokens * len(choices),
+                          "total_tokens": _prompt_tokens(body) + self.tokens * len(choices)}}),
                 content_type="application/json")
         except (asyncio.CancelledError, ConnectionResetError):
             self.aborted += 1
             raise
 
-    async def _stream(self, request: web.Request, chat: bool,
-                      tokens: int | None = None) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, chat: bool, tokens: int | None = None,
+                      body: dict[str, Any] | None = None) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for i in range(self.tokens if tokens is None else tokens):
+        body = body or {}
+        count = self.tokens if tokens is None else tokens
+        for i in range(count):
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
             if self.die_after is not None and i >= self.die_after:
@@ -98,9 +103,22 @@ class FakeVllm:
                 return resp
             if self.hang_after is not None and i >= self.hang_after:
                 await asyncio.sleep(3600)
-            delta = ({"choices": [{"index": 0, "delta": {"content": f"t{i} "}}]} if chat
-                     else {"choices": [{"index": 0, "text": f"t{i} "}]})
-            await resp.write(b"data: " + _enc(delta) + b"\n\n")
+            for j in range(body.get("n") or 1):
+                choice: dict[str, Any] = ({"index": j, "delta": {"content": f"t{i} "}} if chat
+                                          else {"index": j, "text": f"t{i} "})
+                if body.get("prompt") is not None and not chat and (body.get("n") or 1) > 1:
+                    choice["prompt_echo"] = body["prompt"]
+                elif isinstance(body.get("prompt"), str) and body["prompt"].startswith("#"):
+                    choice["prompt_echo"] = body["prompt"]
+                event = ({"id": f"cmpl-{self.name}", "choices": [choice]}
+                         if "prompt_echo" in choice else {"choices": [choice]})
+                await resp.write(b"data: " + _enc(event) + b"\n\n")
+        if (body.get("stream_options") or {}).get("include_usage"):
+            n = body.get("n") or 1
+            usage = {"prompt_tokens": _prompt_tokens(body), "completion_tokens": count * n,
+                     "total_tokens": _prompt_tokens(body) + count * n}
+            await resp.write(b"data: " + _enc({"id": f"cmpl-{self.name}", "choices": [],
+                                               "usage": usage}) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -137,6 +155,11 @@ class FakeVllm:
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/v1/models", self.models)
         return app
+
+
+def _prompt_tokens(body: dict[str, Any]) -> int:
+    p = body.get("prompt")
+    return len(p) if isinstance(p, (str, list)) else 4
 
 
 def main(argv: list[str] | None = None) -> None:

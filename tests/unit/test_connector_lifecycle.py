@@ -902,3 +902,97 @@ def test_phase_observations_aggregate_across_workers_and_reduce_to_means():
     out = merged.reduce()
     assert out["transfer_ms_mean"] == 3.0 and out["read_ms_mean"] == 1.0 and out["pulls"] == 2
     assert "phase_seconds" not in out
+
+
+# ---- n > 1: sibling requests share one handoff (issue 16) ----------------------------------
+
+
+def _siblings(h: SchedulerHarness, prompt: int, n: int, params: dict) -> list:
+    """What vLLM's parallel sampling adds to the engine for ``n``: n requests with the same
+    prompt and the same kv_transfer_params (one dict, shared through SamplingParams' copy)."""
+    tokens = [(7 * i) % 500 + 3 for i in range(prompt)]
+    reqs = [h.make_request(prompt, prompt=tokens, kv_transfer_params=params, max_tokens=3,
+                           req_id=f"{i}_parent") for i in range(n)]
+    for r in reqs:
+        h.add(r)
+    return reqs
+
+
+@pytest.mark.parametrize("prompt", [40, 48, 12])
+def test_decode_siblings_pull_once_and_share_through_the_prefix_cache(make, prompt):
+    h = make("kv_consumer")
+    params = remote_prefill_params(h, prompt, token="secret")
+    owner, *sibs = _siblings(h, prompt, 3, params)
+
+    s = h.step()
+    (load,) = s.meta.loads  # one pull for all three
+    assert load.req_id == owner.request_id and not load.release_only
+    assert owner.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    for s in h.run(2):  # the siblings wait for the pull, holding no blocks
+        assert s.scheduled == {} and s.meta.loads == []
+    assert all(r.status == RequestStatus.WAITING for r in sibs)
+    assert h.used_blocks() == h.blocks_for(prompt)
+    # The siblings hold the handoff too until they know they need not pull it.
+    assert set(h.side.leases.held()) == {r.request_id for r in (owner, *sibs)}
+
+    h.step(finished_recving={owner.request_id})
+    s = h.step()
+    # decode's prefix cache now holds the full blocks of the owner's prompt - 1 loaded tokens
+    cached = (prompt - 1) // h.block_size * h.block_size
+    assert s.scheduled[owner.request_id] == 1
+    for r in sibs:  # from the prefix cache: only the tail past the last full block
+        assert s.scheduled[r.request_id] == prompt - cached, (r.request_id, s.scheduled)
+    assert h.side.leases.held() == {}
+    h.drain()
+    assert [len(h.loads(r.request_id)) for r in (owner, *sibs)] == [1, 0, 0]
+    for r in (owner, *sibs):
+        assert h.final_output(r.request_id).finish_reason == FinishReason.LENGTH
+    h.assert_no_leak()
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_decode_siblings_of_a_failed_load_fail_or_recompute_with_it(make, policy):
+    h = make("kv_consumer", kv_load_failure_policy=policy)
+    params = remote_prefill_params(h, 40)
+    owner, sib = _siblings(h, 40, 2, params)
+    h.step()
+    h.step(failed_recving={owner.request_id})
+    s = h.step()
+    (err,) = [ld for ld in s.meta.loads if ld.req_id == sib.request_id]
+    assert "failed" in err.error and not err.release_only  # no second read of the handoff
+    h.step(failed_recving={sib.request_id})
+    h.drain()
+    for r in (owner, sib):
+        want = FinishReason.ERROR if policy == "fail" else FinishReason.LENGTH
+        assert h.final_output(r.request_id).finish_reason == want
+    assert all(not ld.release_only and (ld.error or ld.req_id == owner.request_id)
+               for ld in h.loads())
+    h.assert_no_leak()
+
+
+def test_decode_sibling_aborted_while_waiting_leaves_nothing(make):
+    h = make("kv_consumer")
+    params = remote_prefill_params(h, 40)
+    owner, sib = _siblings(h, 40, 2, params)
+    h.step()
+    h.abort(sib.request_id)
+    h.step(finished_recving={owner.request_id})
+    h.drain()
+    assert len(h.loads()) == 1
+    assert h.final_output(owner.request_id).finish_reason == FinishReason.LENGTH
+    h.assert_no_leak()
+
+
+def test_decode_owner_aborted_mid_pull_fails_its_siblings_load_not_a_second_read(make):
+    h = make("kv_consumer")
+    params = remote_prefill_params(h, 40)
+    owner, sib = _siblings(h, 40, 2, params)
+    h.step()
+    h.abort(owner.request_id)  # the owner's pull goes on until reported; its blocks with it
+    s = h.step()
+    (err,) = s.meta.loads
+    assert err.req_id == sib.request_id and err.error  # not a pull of a released handoff
+    h.step(finished_recving={owner.request_id}, failed_recving={sib.request_id})
+    h.drain()
+    assert h.final_output(sib.request_id).finish_reason == FinishReason.ERROR
+    h.assert_no_leak()

@@ -187,7 +187,7 @@ def test_chat_streaming_relay_is_byte_identical() -> None:
             r = await env.client.post("/v1/chat/completions", json=body)
             assert r.status == 200 and r.content_type == "text/event-stream"
             data = await r.read()
-            assert data.count(b"data: ") == 5 and data.endswith(b"data: [DONE]\n\n")
+            assert data.count(b"data: ") == 6 and data.endswith(b"data: [DONE]\n\n")  # +usage
             assert b'"content":"t3 "' in data
             p = env.prefill[0].seen[0]["body"]
             assert p["max_completion_tokens"] == 1 and "stream_options" not in p

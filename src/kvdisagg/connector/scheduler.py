@@ -10,6 +10,14 @@ its whole prompt as loadable asynchronously, and the worker pulls it. With a sto
 prefill also claims the leading chunks of any prompt that the store already holds
 (``prefix_lookup``), and the worker loads them instead of computing them.
 
+A decode request with ``n > 1`` reaches the engine as n sibling requests that share one
+``kv_transfer_params``: one handoff. The first sibling admitted owns it and pulls it; the
+others wait (``get_num_new_matched_tokens`` -> None: "ask again", without blocking the queue)
+until that load has landed, then take the prompt's full blocks from decode's prefix cache and
+compute only the tail, exactly as n siblings do on a plain instance. So the KV moves once, the
+handoff is read once and released once. If the owner's load failed, every sibling's load is
+reported failed too (``kv_load_failure_policy`` then applies to each).
+
 Must not import torch or kvdisagg.transport: all byte movement is the worker's.
 """
 
@@ -40,6 +48,27 @@ logger = logging.getLogger(__name__)
 
 
 PrefixLookup = Callable[[Sequence[int], str], int]  # (prompt, kv_layout) -> stored tokens
+HandoffKey = tuple[str, str, str]  # (remote_engine_id, remote_request_id, token)
+
+
+def handoff_key(params: dict[str, Any] | None) -> HandoffKey | None:
+    """Which handoff a decode request's params name (siblings of ``n > 1`` share one)."""
+    if not params or not params.get("do_remote_prefill"):
+        return None
+    extras = params.get("kvdisagg")
+    key = (params.get("remote_engine_id"), params.get("remote_request_id"),
+           extras.get("token") if isinstance(extras, dict) else None)
+    return key if all(isinstance(k, str) for k in key) else None  # type: ignore[return-value]
+
+
+@dataclasses.dataclass
+class _Shared:
+    """One handoff that several decode requests (siblings) carry."""
+
+    refs: int = 0  # requests carrying it that have not finished
+    owner: str = ""  # the request whose load pulls it
+    landed: bool = False  # the owner's load is done: the blocks are in decode's prefix cache
+    failed: bool = False  # the owner's load failed
 
 
 class DisaggScheduler:
@@ -59,6 +88,8 @@ class DisaggScheduler:
         self.kv_layout = ""
         self.keyed_by_tokens = False
         self._pulled: set[str] = set()  # decode requests whose load was already planned
+        self._key_of: dict[str, HandoffKey] = {}  # decode request -> the handoff it carries
+        self._shared: dict[HandoffKey, _Shared] = {}
         self._sends: list[SendSpec] = []
         self._loads: list[LoadSpec] = []
         self.leases: LeaseKeeper | None = None  # decode: keeps held handoffs alive
@@ -91,7 +122,12 @@ class DisaggScheduler:
     def on_new_request(self, request: Request) -> None:
         """Decode: hold the request's handoff from now on (renewed while it waits)."""
         params = request.kv_transfer_params
-        if self.leases is None or not (params and params.get("do_remote_prefill")):
+        if not self.is_consumer or not (params and params.get("do_remote_prefill")):
+            return
+        if (key := handoff_key(params)) is not None:
+            self._key_of[request.request_id] = key
+            self._shared.setdefault(key, _Shared()).refs += 1
+        if self.leases is None:
             return
         try:
             p = msgspec.convert(params, RemotePrefill)
@@ -108,6 +144,10 @@ class DisaggScheduler:
         for req_id in finished_recving:
             if self.leases is not None:
                 self.leases.drop(req_id, release=req_id in failed_recving)
+            shared = self._shared.get(self._key_of.get(req_id))  # type: ignore[arg-type]
+            if shared is not None and shared.owner == req_id:
+                shared.landed = req_id not in failed_recving
+                shared.failed = not shared.landed
             if (started := self._load_started.pop(req_id, None)) is not None:
                 self._stats.observe(load=time.perf_counter() - started[0])
                 end(started[1], failed=req_id in failed_recving)
@@ -139,6 +179,10 @@ class DisaggScheduler:
         params = request.kv_transfer_params
         if request.request_id in self._pulled:
             return 0, False
+        shared = self._sibling_of(request.request_id)
+        if shared is not None and not shared.failed:
+            # A sibling pulls this handoff: wait for it, then use decode's prefix cache.
+            return (0, False) if shared.landed else (None, False)  # type: ignore[return-value]
         if self.is_consumer and params and params.get("do_remote_prefill"):
             # Never claim past what prefill computed (a handoff of another, shorter prompt);
             # bad types are refused when the load is planned.
@@ -152,6 +196,11 @@ class DisaggScheduler:
             count = self._stored_tokens(request) - num_computed_tokens
             return (count, True) if count > 0 else (0, False)
         return 0, False
+
+    def _sibling_of(self, req_id: str) -> _Shared | None:
+        """The shared handoff of ``req_id`` when another request owns its load."""
+        shared = self._shared.get(self._key_of.get(req_id))  # type: ignore[arg-type]
+        return shared if shared is not None and shared.owner not in ("", req_id) else None
 
     def _stored_tokens(self, request: Request) -> int:
         """Leading prompt tokens the store holds, short of the whole prompt (vLLM must compute
@@ -177,6 +226,16 @@ class DisaggScheduler:
                                                           stored))
             return
         self._pulled.add(request.request_id)  # never pull twice (recompute, preemption)
+        if (shared := self._sibling_of(request.request_id)) is not None:
+            if self.leases is not None:  # the owner's load reads and releases the handoff
+                self.leases.drop(request.request_id, release=False)
+            if shared.failed and num_external_tokens > 0:
+                self._loads.append(LoadSpec(req_id=request.request_id, error=(
+                    f"the load of handoff {shared.owner!r}, shared with this request, failed")))
+            return
+        if (key := self._key_of.get(request.request_id)) is not None:
+            self._shared[key].owner = request.request_id
+            self._shared[key].landed = num_external_tokens == 0  # nothing to pull: cached
         local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
         # The unhashed blocks follow the local prefix-cache hit: they hold prompt blocks
         # first.. (by position), whatever prefill offered beyond the prompt.
@@ -236,6 +295,13 @@ class DisaggScheduler:
 
         self._pulled.discard(request.request_id)
         self._stored.pop(request.request_id, None)
+        if (key := self._key_of.pop(request.request_id, None)) is not None:
+            shared = self._shared[key]
+            if shared.owner == request.request_id and not shared.landed:
+                shared.failed = True  # gone before its load landed: the siblings cannot share it
+            shared.refs -= 1
+            if shared.refs <= 0:
+                del self._shared[key]
         if (started := self._load_started.pop(request.request_id, None)) is not None:
             end(started[1], abandoned=True)  # finished before its load was reported
         if self.leases is not None:  # gone before its pull was reported: free prefill's KV

@@ -53,6 +53,15 @@ class ClientBody(NamedTuple):
     prompt whatever KV it was given, beam search runs step by step in vLLM's server."""
 
     @property
+    def token_ids(self) -> list[int] | None:
+        """The prompt's token ids when the client sent them (a completions prompt of ids)."""
+        p = self.fields.get("prompt")
+        if (not self.chat and isinstance(p, list) and p
+                and all(type(t) is int for t in p)):
+            return p
+        return None
+
+    @property
     def n(self) -> int:
         n = self.fields.get("n")
         return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1

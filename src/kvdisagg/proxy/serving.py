@@ -154,7 +154,7 @@ class Serving:
 
     async def open(self, ctx: RequestCtx) -> Opened | web.Response:
         """Decide, prefill if disaggregated, and open a decode leg that answered."""
-        decision = self.decider.decide(ctx.body)
+        decision = self.decider.decide(ctx.body, ctx.body.token_ids)
         if ctx.root is not None:
             ctx.root.set_attributes({"kvdisagg.route": decision.route.value,
                                      "kvdisagg.reason": decision.reason,

@@ -1,0 +1,211 @@
+"""The proxy's request forms and its per-request decision, against fake vLLM upstreams:
+``n > 1`` and several prompts (issue 16), disaggregate or decode alone (issue 15)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+from kvdisagg.proxy.app import SERVING
+from kvdisagg.proxy.config import DecisionConfig, SloConfig
+from tests.unit.test_proxy import metric, proxy, run
+
+PROMPTS = ["#first prompt", "#second one", "#third"]
+
+
+def events(data: bytes) -> list[Any]:
+    out = []
+    for block in data.split(b"\n\n"):
+        if block.startswith(b"data: "):
+            payload = block[6:]
+            out.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+    return out
+
+
+def test_n_samples_one_handoff_prefill_asked_for_one() -> None:
+    async def t() -> None:
+        async with proxy() as env:
+            r = await env.client.post("/v1/completions", json={
+                "model": "tiny", "prompt": "hello", "max_tokens": 5, "n": 3, "seed": 7,
+                "best_of": 3})
+            assert r.status == 200, await r.text()
+            body = await r.json()
+            assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+            (p,) = env.prefill[0].seen
+            assert p["body"]["n"] == 1 and "best_of" not in p["body"]
+            assert p["body"]["seed"] == 7  # the rest as the client sent it
+            (d,) = env.decode[0].seen
+            assert d["body"]["n"] == 3 and d["body"]["kv_transfer_params"]["do_remote_prefill"]
+    run(t())
+
+
+def test_several_prompts_one_handoff_each_merged_as_vllm_answers() -> None:
+    async def t(n: int) -> None:
+        async with proxy() as env:
+            r = await env.client.post("/v1/completions", json={
+                "model": "tiny", "prompt": PROMPTS, "max_tokens": 2, "n": n})
+            assert r.status == 200, await r.text()
+            assert r.headers["X-Kvdisagg-Handoff"] == "pd,pd,pd"
+            body = await r.json()
+            # choices prompt by prompt, index = prompt * n + sample
+            assert [(c["index"], c["prompt_echo"]) for c in body["choices"]] == [
+                (i * n + j, p) for i, p in enumerate(PROMPTS) for j in range(n)]
+            prompt_tokens = sum(len(p) for p in PROMPTS)
+            assert body["usage"] == {"prompt_tokens": prompt_tokens,
+                                     "completion_tokens": 2 * n * len(PROMPTS),
+                                     "total_tokens": prompt_tokens + 2 * n * len(PROMPTS)}
+            # each prompt its own prefill leg and its own decode leg with that handoff
+            assert sorted(s["body"]["prompt"] for s in env.prefill[0].seen) == sorted(PROMPTS)
+            assert sorted(s["body"]["prompt"] for s in env.decode[0].seen) == sorted(PROMPTS)
+            assert all(s["body"]["kv_transfer_params"]["do_remote_prefill"]
+                       for s in env.decode[0].seen)
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_routed_total", route="pd") == 3
+            assert metric(text, "kvdisagg_proxy_requests_total", outcome="ok") == 1
+            assert metric(text, "kvdisagg_proxy_instance_in_flight") == 0
+    run(t(1))
+    run(t(2))
+
+
+def test_several_prompts_streamed_interleaved_one_id_one_usage_one_done() -> None:
+    async def t(n: int) -> None:
+        async with proxy() as env:
+            env.decode[0].tokens = 3
+            r = await env.client.post("/v1/completions", json={
+                "model": "tiny", "prompt": PROMPTS, "max_tokens": 3, "n": n, "stream": True,
+                "stream_options": {"include_usage": True}})
+            assert r.status == 200
+            evs = events(await r.read())
+            assert evs[-1] == "[DONE]" and evs.count("[DONE]") == 1
+            usage = evs[-2]
+            assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3 * n * 3
+            assert usage["usage"]["prompt_tokens"] == sum(len(p) for p in PROMPTS)
+            tokens = [e for e in evs[:-2]]
+            assert all("usage" not in e for e in tokens)
+            assert len({e["id"] for e in evs[:-1]}) == 1
+            by_index: dict[int, list[str]] = {}
+            for e in tokens:
+                (c,) = e["choices"]
+                by_index.setdefault(c["index"], []).append(c["text"])
+                assert c["prompt_echo"] == PROMPTS[c["index"] // n]
+            assert by_index == {i: ["t0 ", "t1 ", "t2 "] for i in range(3 * n)}
+    run(t(1))
+    run(t(2))
+
+
+def test_several_prompts_one_bad_gives_its_error_and_abandons_the_rest() -> None:
+    async def t() -> None:
+        async with proxy() as env:
+            env.prefill[0].status = 400
+            r = await env.client.post("/v1/completions", json={
+                "model": "tiny", "prompt": PROMPTS, "max_tokens": 2})
+            assert r.status == 400
+            assert "says no" in (await r.json())["error"]["message"]
+            assert env.decode[0].seen == []
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_instance_in_flight") == 0
+    run(t())
+
+
+def test_several_prompts_one_decode_dying_mid_stream_ends_the_stream_with_an_error() -> None:
+    async def t() -> None:
+        async with proxy() as env:
+            env.decode[0].tokens = 5
+            env.decode[0].die_after = 2
+            r = await env.client.post("/v1/completions", json={
+                "model": "tiny", "prompt": PROMPTS, "max_tokens": 5, "stream": True})
+            evs = events(await r.read())
+            assert evs[-1] == "[DONE]" and evs.count("[DONE]") == 1
+            assert "error" in evs[-2] and "mid-stream" in evs[-2]["error"]["message"]
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_instance_in_flight") == 0
+            assert metric(text, "kvdisagg_proxy_requests_total", outcome="error") == 1
+    run(t())
+
+
+# ---- the per-request decision ------------------------------------------------------------
+
+
+class FakeCache:
+    """What a KV-event index would say: instance url -> tokens of any prompt it holds."""
+
+    def __init__(self, hits: dict[str, int]) -> None:
+        self.hits = hits
+        self.asked: list[Sequence[int]] = []
+
+    def cached_tokens(self, token_ids: Sequence[int]) -> dict[str, int]:
+        self.asked.append(token_ids)
+        return {u: min(h, len(token_ids)) for u, h in self.hits.items()}
+
+
+def test_short_prompt_goes_to_decode_alone_long_one_is_disaggregated() -> None:
+    async def t() -> None:
+        async with proxy(decision=DecisionConfig(local_prefill_tokens=64)) as env:
+            r = await env.client.post("/v1/completions", json={
+                "model": "tiny", "prompt": [5] * 64, "max_tokens": 2})
+            assert r.status == 200
+            assert r.headers["X-Kvdisagg-Handoff"] == "decode_only:short_prompt"
+            assert env.prefill[0].seen == []
+            assert "kv_transfer_params" not in env.decode[0].seen[0]["body"]
+            r = await env.client.post("/v1/completions", json={
+                "model": "tiny", "prompt": [5] * 65, "max_tokens": 2})
+            assert r.headers["X-Kvdisagg-Handoff"] == "pd"
+            assert len(env.prefill[0].seen) == 1
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_routed_total", route="decode_only",
+                          reason="short_prompt") == 1
+            assert metric(text, "kvdisagg_proxy_routed_total", route="pd",
+                          reason="uncached_prompt") == 1
+    run(t())
+
+
+def test_prompt_logprobs_and_beam_search_go_to_decode_alone() -> None:
+    async def t() -> None:
+        async with proxy(decision=DecisionConfig(local_prefill_tokens=0)) as env:
+            long = [5] * 500
+            for extra, reason in (({"prompt_logprobs": 1}, "prompt_logprobs"),
+                                  ({"echo": True, "logprobs": 1}, "prompt_logprobs"),
+                                  ({"use_beam_search": True, "n": 2}, "beam_search")):
+                r = await env.client.post("/v1/completions", json={
+                    "model": "tiny", "prompt": long, "max_tokens": 2, **extra})
+                assert r.headers["X-Kvdisagg-Handoff"] == f"decode_only:{reason}", extra
+            assert env.prefill[0].seen == []
+    run(t())
+
+
+def test_decode_holding_the_prefix_serves_the_follow_up_and_is_sticky() -> None:
+    async def t() -> None:
+        async with proxy(n_decode=2, decision=DecisionConfig(local_prefill_tokens=100)) as env:
+            d1 = env.urls["d1"]
+            env.client.server.app[SERVING].decider.cache = FakeCache({d1: 900})
+            for _ in range(3):  # a 1000-token prompt of which d1 holds 900: d1 computes 100
+                r = await env.client.post("/v1/completions", json={
+                    "model": "tiny", "prompt": [5] * 1000, "max_tokens": 2})
+                assert r.headers["X-Kvdisagg-Handoff"] == "decode_only:cached_prefix"
+            assert len(env.decode[1].seen) == 3 and env.decode[0].seen == []
+            assert env.prefill[0].seen == []
+            # more uncached than the threshold: disaggregated, still to the decode that holds
+            # the prefix (its pull then skips the blocks it has)
+            r = await env.client.post("/v1/completions", json={
+                "model": "tiny", "prompt": [5] * 1200, "max_tokens": 2})
+            assert r.headers["X-Kvdisagg-Handoff"] == "pd"
+            assert len(env.decode[1].seen) == 4
+    run(t())
+
+
+def test_tpot_pressure_shrinks_what_decode_computes_itself() -> None:
+    async def t() -> None:
+        async with proxy(decision=DecisionConfig(local_prefill_tokens=200),
+                         slo=SloConfig(tpot_s=0.1)) as env:
+            decider = env.client.server.app[SERVING].decider
+            (d,) = [i for i in env.client.server.app[SERVING].registry.instances.values()
+                    if i.url == env.urls["d0"]]
+            assert decider.threshold(d) == 200  # nothing measured yet: the whole budget
+            d.tpot_s, d.tpot_load = 0.05, 0.0  # half the SLO used by one stream
+            assert decider.threshold(d) == 100
+            d.tpot_s = 0.2  # over the SLO: every prompt is disaggregated
+            assert decider.threshold(d) == 0
+            r = await env.client.post("/v1/completions", json={
+                "model": "tiny", "prompt": [5] * 50, "max_tokens": 2})
+            assert r.headers["X-Kvdisagg-Handoff"] == "pd"
+    run(t())
