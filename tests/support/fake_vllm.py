@@ -147,8 +147,20 @@ class FakeVllm:
     async def models(self, _request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "tiny"}]})
 
+    async def other(self, request: web.Request) -> web.Response:
+        """Any other vLLM route: echoes what it got (a control route must never be reached)."""
+        raw = await request.read()
+        if self.record:
+            self.seen.append({"name": self.name, "raw": raw, "path": request.path_qs,
+                              "headers": request.headers.copy(), "body": None})
+        return web.json_response({"route": request.path_qs, "method": request.method,
+                                  "got": raw.decode()})
+
     def app(self) -> web.Application:
         app = web.Application()
+        for method, path in (("POST", "/tokenize"), ("GET", "/version"), ("POST", "/pause"),
+                             ("POST", "/v1/responses")):
+            app.router.add_route(method, path, self.other)
         app.router.add_post("/v1/completions", self.generate)
         app.router.add_post("/v1/chat/completions", self.generate)
         app.router.add_get("/health", self.health)

@@ -1,7 +1,8 @@
 """The aiohttp application: endpoints, wiring, and the staged shutdown.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``serving.py``), ``GET /v1/models``, ``GET /health`` (liveness), ``GET /readiness`` (can it
-route a request now), ``GET /metrics`` (Prometheus). The admin API (``admin.py``) is an
+route a request now), ``GET /metrics`` (Prometheus), and the routes of ``passthrough.py``
+(``/v1/models``, ``/tokenize``, ``/v1/responses``...: served by a decode instance as is). The admin API (``admin.py``) is an
 application of its own (``app[ADMIN]``), served on its own listener when ``admin.port`` is set.
 """
 
@@ -15,15 +16,13 @@ import sys
 import msgspec
 from aiohttp import web
 
-from kvdisagg.proxy import admin
+from kvdisagg.proxy import admin, passthrough
 from kvdisagg.proxy.config import ProxyConfig, TimeoutConfig, instances_from_urls
 from kvdisagg.proxy.discovery import Discovery
-from kvdisagg.proxy.errors import error_response
 from kvdisagg.proxy.metrics import Metrics
 from kvdisagg.proxy.policies import Side, make_policy
 from kvdisagg.proxy.registry import Registry
 from kvdisagg.proxy.serving import Serving
-from kvdisagg.proxy.upstream import UpstreamError
 from kvdisagg.tracing import Tracer
 
 log = logging.getLogger("kvdisagg.proxy")
@@ -84,20 +83,6 @@ def make_app(prefill_urls: list[str] | None = None, decode_urls: list[str] | Non
     async def chat(request: web.Request) -> web.StreamResponse:
         return await serving.serve(request, chat=True)
 
-    async def models(request: web.Request) -> web.Response:
-        """Model listing comes from a decode instance: it is the engine that serves tokens."""
-        cands = registry.candidates(Side.DECODE) or registry.members(Side.DECODE)
-        if not cands:
-            return error_response(503, "no decode instance", "service_unavailable")
-        inst = cands[0]
-        t = cfg.health.timeout_s
-        try:
-            resp = await inst.pool.request(b"GET", "/v1/models", connect_s=t, headers_s=t)
-            data = await resp.read(t)
-        except UpstreamError as exc:
-            return error_response(502, f"decode {inst.url}: {exc}", "upstream_error")
-        return web.Response(body=data, status=resp.status, content_type="application/json")
-
     async def health(_request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
@@ -130,10 +115,10 @@ def make_app(prefill_urls: list[str] | None = None, decode_urls: list[str] | Non
     app.on_cleanup.append(on_cleanup)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/readiness", readiness)
     app.router.add_get("/metrics", metrics_)
+    passthrough.add_routes(app, serving)
     return app
 
 

@@ -75,7 +75,14 @@ class Serving:
         self._rid_prefix = f"kvd-{uuid.uuid4().hex[:12]}-"
         self._rid_seq = itertools.count(1)
 
-    def _headers(self, request: web.Request, rid: str) -> bytes:
+    def request_id(self, request: web.Request) -> str:
+        """The client's ``X-Request-Id`` when it is sane, else a new unique one."""
+        rid = request.headers.get("X-Request-Id", "")
+        return rid if _RID.fullmatch(rid) else f"{self._rid_prefix}{next(self._rid_seq):x}"
+
+    def headers_for(self, request: web.Request, rid: str) -> bytes:
+        """The upstream legs' headers: content type, request id, the client's (or the
+        configured) Authorization."""
         auth = (f"Bearer {self.cfg.api_key}" if self.cfg.api_key
                 else request.headers.get("Authorization"))
         h = f"Content-Type: application/json\r\nX-Request-Id: {rid}\r\n"
@@ -135,12 +142,10 @@ class Serving:
             body = bodies.parse(raw, chat, self.cfg.policy.prefix_block_chars)
         except bodies.BodyError as exc:
             return error_response(400, str(exc)), "error"
-        rid = request.headers.get("X-Request-Id", "")
-        if not _RID.fullmatch(rid):
-            rid = f"{self._rid_prefix}{next(self._rid_seq):x}"
+        rid = self.request_id(request)
         if root is not None:
             root.set_attribute("kvdisagg.request_id", rid)
-        ctx = RequestCtx(rid, body, request.path, self._headers(request, rid), t0, root)
+        ctx = RequestCtx(rid, body, request.path, self.headers_for(request, rid), t0, root)
         if body.prompts is not None:
             from kvdisagg.proxy.fanout import serve_prompts
 
