@@ -49,6 +49,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """LMCache server for ``transport: lmcache``, ``lm://host:port``."""
     lmcache_chunk_tokens: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 256
     """Tokens per stored chunk (a multiple of vLLM's block size); keys hash the token prefix."""
+    lmcache_store_decoded: bool = True
+    """``transport: lmcache`` on a decode instance: store each finished request's KV (prompt
+    and answer, whole chunks) too, so the next turn's prefill, on any instance, loads it from
+    the store instead of computing it."""
     otlp_traces_endpoint: OtlpEndpoint = ""
     """OTLP/HTTP collector (``http://host:4318``) for the handoff's spans (tracing.py); ''
     (default): no spans. Needs ``kvdisagg[tracing]``."""

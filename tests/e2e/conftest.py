@@ -61,10 +61,12 @@ def otlp_sink():
 
 @pytest.fixture(scope="session")
 def fleet(model: Path, otlp_sink):
-    """1P1D behind the proxy, plus a decode instance whose transport corrupts what it moves.
-    Every request is traced (otlp_sink): the whole suite runs with spans on."""
+    """1P1D behind the proxy, a plain vLLM instance (``fleet.reference``: the baseline P/D must
+    match), plus a decode instance whose transport corrupts what it moves. Every request is
+    traced (otlp_sink): the whole suite runs with spans on."""
     trace = {"otlp_traces_endpoint": otlp_sink.url}
-    fleet = Fleet(model, LOG_DIR, prefill_extra={"lease_seconds": LEASE_S, **trace},
+    fleet = Fleet(model, LOG_DIR, reference=True,
+                  prefill_extra={"lease_seconds": LEASE_S, **trace},
                   decode_extra={"transfer_timeout_seconds": TIMEOUT_S, **trace},
                   proxy_args=["--otlp-traces-endpoint", otlp_sink.url])
     corrupt = VllmServer(model, log_path=LOG_DIR / "decode-corrupt.log", omp_threads_bind="1",

@@ -996,3 +996,44 @@ def test_decode_owner_aborted_mid_pull_fails_its_siblings_load_not_a_second_read
     h.drain()
     assert h.final_output(sib.request_id).finish_reason == FinishReason.ERROR
     h.assert_no_leak()
+
+
+# ---- decode with a store transport: the next turn's KV (issue 15) ---------------------------
+
+
+@pytest.mark.parametrize("store", [True, False])
+def test_decode_stores_prompt_and_answer_in_whole_chunks(make, store):
+    h = make("kv_consumer", transport="lmcache", handshake_extra={"keyed_by_tokens": True},
+             extra_config={"transport": "lmcache", "lmcache_url": "lm://127.0.0.1:1",
+                           "lmcache_chunk_tokens": 32, "lmcache_store_decoded": store})
+    req = h.add_request(40, max_tokens=30)  # served by decode alone (no handoff)
+    rid = req.request_id
+    h.run_until(lambda s: req.is_finished())
+    h.step()  # the store goes to the workers with the next step's metadata
+    sends = h.sends(rid)
+    if not store:
+        assert sends == []
+        h.drain()
+        h.assert_no_leak()
+        return
+    (send,) = sends
+    tokens = [*req.prompt_token_ids, *req.output_token_ids]
+    assert len(tokens) == 70  # 69 of them have KV: two whole 32-token chunks are stored
+    assert list(send.prompt_token_ids) == tokens[:64]
+    assert list(send.block_ids) == h.block_ids(rid)[:4] and not send.stage_from
+    assert h.used_blocks() == h.blocks_for(70)  # held until stored
+    h.run(2)
+    assert h.used_blocks() == h.blocks_for(70) and len(h.sends(rid)) == 1
+    h.step(finished_sending={rid})
+    h.drain()
+    h.assert_no_leak()
+
+
+def test_decode_stores_nothing_short_of_a_chunk(make):
+    h = make("kv_consumer", transport="lmcache", handshake_extra={"keyed_by_tokens": True},
+             extra_config={"transport": "lmcache", "lmcache_url": "lm://127.0.0.1:1",
+                           "lmcache_chunk_tokens": 256})
+    req = h.add_request(40, max_tokens=3)
+    h.drain()
+    assert h.sends(req.request_id) == []
+    h.assert_no_leak()

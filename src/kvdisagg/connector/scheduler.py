@@ -307,9 +307,13 @@ class DisaggScheduler:
         if self.leases is not None:  # gone before its pull was reported: free prefill's KV
             self.leases.drop(request.request_id, release=True)
         params = request.kv_transfer_params
+        finished = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED,
+                                      RequestStatus.FINISHED_STOPPED)
+        if (self.is_consumer and self.keyed_by_tokens and finished and block_ids
+                and self.config.lmcache_store_decoded):
+            return self._store_decoded(request, block_ids), None
         if (not self.is_producer or not params or not params.get("do_remote_decode")
-                or not block_ids or request.status not in
-                (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)):
+                or not block_ids or not finished):
             return False, None
         token = secrets.token_urlsafe(16)
         tokens = tuple(request.prompt_token_ids) if self.keyed_by_tokens else ()
@@ -326,6 +330,21 @@ class DisaggScheduler:
             host=self.config.side_channel_host, ports=self.ports,
             num_tokens=request.num_computed_tokens, transport=self.transport_name,
             kv_layout=self.kv_layout, token=token, lease_s=self.config.lease_seconds)
+
+    def _store_decoded(self, request: Request, block_ids: list[int]) -> bool:
+        """Decode with a store transport: the finished request's KV, prompt and answer, goes to
+        the store in whole chunks (the next turn's prompt starts with them); its blocks are
+        held until stored. True if there was anything to store."""
+        chunk = self.config.lmcache_chunk_tokens
+        tokens = [*request.prompt_token_ids, *request.output_token_ids][
+            :request.num_computed_tokens]  # the last sampled token has no KV yet
+        tokens = tokens[:len(tokens) // chunk * chunk]
+        if not tokens:
+            return False
+        blocks = tuple(block_ids[:len(tokens) // self.block_size])
+        self._sends.append(SendSpec(request.request_id, "", blocks, self.config.lease_seconds,
+                                    tuple(tokens)))
+        return True
 
     def shutdown(self) -> None:
         if self.leases is not None:

@@ -23,6 +23,8 @@ FIELDS = {
     "handoffs_freed": "Handoffs freed: pulled, released by their decode, or expired",
     "handoffs_expired": "Handoffs freed unread because no decode renewed their lease",
     "lease_renewals": "Handoff leases this decode instance renewed on prefill instances",
+    "decoded_stored": "Finished requests whose KV (prompt and answer) this decode instance "
+                      "stored for the next turn (transport lmcache)",
     **PROM_COUNTERS,  # SloScheduler's, when it runs (--scheduler-cls)
 }
 

@@ -113,10 +113,13 @@ class DisaggWorker:
             (self._staged if send.stage_from else self._paged).add(send.req_id)
             self.transport.offer(Offer(send.req_id, send.token, send.block_ids, send.lease_s,
                                        send.prompt_token_ids, send.trace))
-        if meta.sends:
+        if meta.sends and self.is_producer:
             with self._lock:
                 self.stats.add(handoffs_offered=len(meta.sends),
                                handoffs_staged=sum(bool(s.stage_from) for s in meta.sends))
+        elif meta.sends:  # decode: finished requests stored for the next turn (lmcache)
+            with self._lock:
+                self.stats.add(decoded_stored=len(meta.sends))
 
     def start_load_kv(self, meta: DisaggMetadata) -> None:
         self.offer(meta)
@@ -184,7 +187,7 @@ class DisaggWorker:
         released = self.transport.take_released()
         table = getattr(self.transport, "table", None)  # pull transports' handoff table
         expired = table.expired_unread - self._expired_seen if table is not None else 0
-        if released or expired:
+        if (released and self.is_producer) or expired:
             with self._lock:
                 self.stats.add(handoffs_freed=len(released), handoffs_expired=expired)
             self._expired_seen += expired

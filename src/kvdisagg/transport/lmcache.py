@@ -237,7 +237,7 @@ class LMCacheTransport:
         self.regions, self.kv_layout, self.block_size = list(regions), kv_layout, block_size
         self._host = [host_bytes(r.pages) if r.pages.device.type == "cpu" else None
                       for r in self.regions]
-        if is_producer:
+        if is_producer or self.config.lmcache_store_decoded:
             self._store_thread = threading.Thread(target=self._store_loop, daemon=True,
                                                   name="kvdisagg-lmcache-store")
             self._store_thread.start()
@@ -318,7 +318,7 @@ class LMCacheTransport:
             for client in self._clients:
                 client.close()
 
-    # ---- prefill: store ------------------------------------------------------------------
+    # ---- store: prefill's handoffs, decode's finished requests -----------------------------
     def _client(self) -> LMCacheClient:
         """One connection per thread (fetches run on a pool; the store on its own thread)."""
         client = getattr(self._local, "client", None)
