@@ -515,7 +515,7 @@ def test_api_discovery_check_can_fail(tmp_path: Path, monkeypatch: pytest.Monkey
 def test_dns_discovery_shown_in_the_readme_finds_both_roles():
     """The README's DNS alternative names the headless Services of this base."""
     text = (K8S / "README.md").read_text()
-    flags = re.findall(r"(--(?:prefill|decode)-dns) (\S+)", text)
+    flags = re.findall(r"(--(?:prefill|decode)-dns) ([a-z0-9.:-]+)", text)
     args = [w for pair in flags for w in pair]
     assert sorted(set(check_proxy_discovery(args))) == ["decode", "prefill"]
 
