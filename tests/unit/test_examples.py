@@ -541,7 +541,7 @@ def prestop_drain(c: dict[str, Any]) -> argparse.Namespace:
 
 
 def test_prestop_drains_this_pod_at_the_proxy_admin_service(tmp_path: Path):
-    cfg, proxy_container = proxy_config_from_configmap(tmp_path)
+    cfg, _ = proxy_config_from_configmap(tmp_path)
     admin_port = cfg.admin.port
     services = by_kind("Service")
     public = services["kvdisagg-proxy"]
@@ -699,7 +699,7 @@ def check_dockerfile(text: str, where: str) -> dict[str, Any]:
             words = ins.args.split()
             base = words[0]
             if base not in stages:
-                name, _, tag = base.partition(":")
+                tag = base.partition(":")[2]
                 assert tag and tag != "latest" and re.search(r"\d", tag) and "$" not in base, (
                     f"{where}:{ins.line}: {base} is not pinned to a version")
             stages.append(words[2] if len(words) == 3 and words[1].upper() == "AS" else f"#{len(stages)}")
@@ -728,7 +728,7 @@ def check_dockerfile(text: str, where: str) -> dict[str, Any]:
         elif ins.cmd == "RUN":
             run = ins.args
             for k, v in args.items():
-                run = run.replace("${%s}" % k, v).replace("$%s" % k, v)
+                run = run.replace(f"${{{k}}}", v).replace(f"${k}", v)
             extras += [e.strip() for group in re.findall(r"(?:kvdisagg|\.whl\))\[([^\]]+)\]", run)
                        for e in group.split(",")]
     known = set(pyproject()["project"]["optional-dependencies"])

@@ -13,17 +13,24 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import AsyncIterator
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from kvdisagg.proxy import make_app
-from kvdisagg.proxy.admin_cli import Exit, add_arguments, run as admin_run
+from kvdisagg.proxy.admin_cli import Exit, add_arguments
+from kvdisagg.proxy.admin_cli import run as admin_run
 from kvdisagg.proxy.app import ADMIN, REGISTRY
-from kvdisagg.proxy.config import (AdminConfig, HealthConfig, InstanceSpec, ProxyConfig, Role,
-                                   TimeoutConfig)
+from kvdisagg.proxy.config import (
+    AdminConfig,
+    HealthConfig,
+    InstanceSpec,
+    ProxyConfig,
+    Role,
+    TimeoutConfig,
+)
 from kvdisagg.proxy.registry import Registry, State
 from kvdisagg.testing.servers import free_port
 from tests.support.fake_vllm import FakeVllm

@@ -9,16 +9,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestServer
 
 from kvdisagg.errors import ConfigError
-from kvdisagg.proxy.config import (DiscoveryConfig, HealthConfig, KubernetesDiscovery,
-                                   ProxyConfig, Role)
-from kvdisagg.proxy.discovery import Discovery, DiscoveryError, KubernetesSource, make_sources
+from kvdisagg.proxy.config import (
+    DiscoveryConfig,
+    HealthConfig,
+    KubernetesDiscovery,
+    ProxyConfig,
+    Role,
+)
+from kvdisagg.proxy.discovery import (
+    Discovery,
+    DiscoveryError,
+    KubernetesSource,
+    make_sources,
+)
 from kvdisagg.proxy.metrics import Metrics
 from kvdisagg.proxy.policies import Side
 from kvdisagg.proxy.registry import Outcome, Registry, State

@@ -161,7 +161,8 @@ class AdminClient:
         req = urllib.request.Request(self.base + path, data=data, headers=headers, method=method)
         try:
             with self._opener.open(req, timeout=timeout_s) as r:
-                return r.read()
+                answer: bytes = r.read()
+                return answer
         except urllib.error.HTTPError as exc:
             raw = exc.read()
             try:

@@ -26,14 +26,20 @@ import enum
 import ipaddress
 import logging
 import ssl
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 from urllib.parse import urlsplit
 
 import msgspec
 
 from kvdisagg.errors import ConfigError
-from kvdisagg.proxy.config import DiscoveryConfig, InstanceSpec, KubernetesDiscovery, Role
+from kvdisagg.proxy.config import (
+    DiscoveryConfig,
+    InstanceSpec,
+    KubernetesDiscovery,
+    Role,
+)
 
 if TYPE_CHECKING:
     from kvdisagg.proxy.registry import Registry
@@ -113,14 +119,14 @@ class _Condition(msgspec.Struct):
 
 class _PodStatus(msgspec.Struct):
     phase: str | None = None
-    podIP: str | None = None  # noqa: N815 (the API's name)
+    podIP: str | None = None
     conditions: list[_Condition] | None = None
 
 
 class _ObjectMeta(msgspec.Struct):
     name: str = ""
-    resourceVersion: str = ""  # noqa: N815
-    deletionTimestamp: str | None = None  # noqa: N815
+    resourceVersion: str = ""
+    deletionTimestamp: str | None = None
 
 
 class _Pod(msgspec.Struct):
@@ -129,7 +135,7 @@ class _Pod(msgspec.Struct):
 
 
 class _ListMeta(msgspec.Struct):
-    resourceVersion: str = ""  # noqa: N815
+    resourceVersion: str = ""
     continue_: str | None = msgspec.field(default=None, name="continue")
 
 
