@@ -16,9 +16,9 @@ answer ``ANSWER_GRACE_S`` longer; the other commands wait ``--timeout`` for thei
 status says what happened (``Exit``), so a hook or a script can tell a refused call from an
 unreachable proxy and from a drain that ran out of time.
 
-Standard library only (urllib), synchronous, and it ignores ``HTTP(S)_PROXY`` from the
-environment: the admin API is reached directly on the cluster network. It imports nothing of
-the proxy's server side.
+Its own imports are the standard library (urllib) and msgspec, nothing of the proxy's server
+side; it is synchronous, and it ignores ``HTTP(S)_PROXY`` from the environment: the admin API
+is reached directly on the cluster network.
 """
 
 from __future__ import annotations
