@@ -12,6 +12,7 @@ import sys
 
 COMMANDS: dict[str, str] = {
     "proxy": "kvdisagg.proxy.cli",
+    "admin": "kvdisagg.proxy.admin_cli",
     "demo": "kvdisagg.demo",
     "tiny-model": "kvdisagg.testing.tiny_model",
     "bench": "kvdisagg.bench.cli",

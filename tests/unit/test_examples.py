@@ -10,14 +10,17 @@ import json
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
+from urllib.parse import urlsplit
 
 import msgspec
 import pytest
 import yaml
 
 from kvdisagg.config import parse_config
+from kvdisagg.proxy import admin_cli
 from kvdisagg.proxy.cli import add_arguments
 from kvdisagg.proxy.config import load_config_file
 
@@ -408,17 +411,6 @@ def check_proxy_discovery(args: list[str]) -> list[str]:
     return roles
 
 
-def test_proxy_finds_members_through_headless_services(tmp_path: Path):
-    cfg, c = proxy_config_from_configmap(tmp_path)
-    args = c["args"]
-    assert int(args[args.index("--port") + 1]) in container_ports(
-        by_kind("Deployment")["kvdisagg-proxy"]).values()
-    assert sorted(check_proxy_discovery(args)) == ["decode", "prefill"]
-    assert not cfg.instances
-    scaled = by_kind("ScaledObject")
-    assert {s["spec"]["scaleTargetRef"]["name"] for s in scaled.values()} == {"prefill", "decode"}
-
-
 def test_proxy_discovery_check_can_fail():
     with pytest.raises(AssertionError, match="no Service"):
         check_proxy_discovery(["--prefill-dns", "prefil.kvdisagg.svc.cluster.local:8000"])
@@ -428,48 +420,188 @@ def test_proxy_discovery_check_can_fail():
         check_proxy_discovery(["--decode-dns", "decode.kvdisagg.svc.cluster.local:9000"])
 
 
+def label_selector(text: str) -> dict[str, str]:
+    """An equality-based label selector (``a=b,c=d``) as a dict; other forms fail the check."""
+    out = {}
+    for term in text.split(","):
+        k, sep, v = term.partition("=")
+        assert sep and k.strip() and "!" not in k and not v.startswith("="), (
+            f"selector {text!r}: only a=b terms are checked here")
+        out[k.strip()] = v.strip()
+    return out
+
+
+def check_api_discovery(cfg: Any, proxy: dict[str, Any]) -> list[str]:
+    """discovery.kubernetes selects the pods of each role on their HTTP port, in the base's
+    namespace, and RBAC lets the proxy's service account list and watch them; returns the
+    roles found."""
+    namespace = yaml.safe_load((K8S / "kustomization.yaml").read_text())["namespace"]
+    k = cfg.discovery.kubernetes
+    assert k is not None, "discovery.kubernetes is not set"
+    assert k.namespace in (None, namespace), f"discovery.kubernetes.namespace {k.namespace}"
+    assert k.api_server.startswith("https://")
+    roles = []
+    for role, sel in (("prefill", k.prefill_selector), ("decode", k.decode_selector)):
+        if not sel:
+            continue
+        want = label_selector(sel)
+        ws = [w for w in workloads().values() if want.items() <= pod_labels(w).items()]
+        assert ws, f"{role}_selector {sel!r} matches no pod template"
+        for w in ws:
+            assert pod_labels(w)["kvdisagg/role"] == role, f"{role}_selector {sel!r} selects {w['metadata']['name']}"
+            assert container_ports(w).get("http") == k.port, (
+                f"discovery.kubernetes.port {k.port} is not {w['metadata']['name']}'s http port")
+        roles.append(role)
+    spec = proxy["spec"]["template"]["spec"]
+    sa = spec.get("serviceAccountName")
+    assert sa in by_kind("ServiceAccount"), f"the proxy runs as {sa!r}, no ServiceAccount of the base"
+    assert spec.get("automountServiceAccountToken", True), "the proxy needs its token mounted"
+    verbs: set[str] = set()
+    for rb in by_kind("RoleBinding").values():
+        if not any(s["kind"] == "ServiceAccount" and s["name"] == sa
+                   and s.get("namespace") == namespace for s in rb["subjects"]):
+            continue
+        assert rb["roleRef"]["kind"] == "Role", "a Role: the proxy reads its own namespace only"
+        role_obj = by_kind("Role")[rb["roleRef"]["name"]]
+        for rule in role_obj["rules"]:
+            if "" in rule["apiGroups"] and "pods" in rule["resources"]:
+                verbs |= set(rule["verbs"])
+    assert {"list", "watch"} <= verbs, f"the proxy's service account may only {sorted(verbs)} pods"
+    return roles
+
+
+def test_proxy_finds_members_through_the_api_with_rbac(tmp_path: Path):
+    cfg, c = proxy_config_from_configmap(tmp_path)
+    args = c["args"]
+    assert int(args[args.index("--port") + 1]) in container_ports(
+        by_kind("Deployment")["kvdisagg-proxy"]).values()
+    assert sorted(check_api_discovery(cfg, by_kind("Deployment")["kvdisagg-proxy"])) == [
+        "decode", "prefill"]
+    assert not cfg.instances and not cfg.discovery.prefill_dns and not cfg.discovery.decode_dns
+    for name, w in workloads().items():  # the vLLM pods get no API token
+        if name != "kvdisagg-proxy":
+            assert w["spec"]["template"]["spec"]["automountServiceAccountToken"] is False, name
+    scaled = by_kind("ScaledObject")
+    assert {s["spec"]["scaleTargetRef"]["name"] for s in scaled.values()} == {"prefill", "decode"}
+
+
+def test_api_discovery_check_can_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    cfg, _ = proxy_config_from_configmap(tmp_path)
+    proxy = by_kind("Deployment")["kvdisagg-proxy"]
+    rep = msgspec.structs.replace
+    swapped = rep(cfg, discovery=rep(cfg.discovery, kubernetes=rep(
+        cfg.discovery.kubernetes, prefill_selector=cfg.discovery.kubernetes.decode_selector)))
+    with pytest.raises(AssertionError, match="prefill_selector .* selects decode"):
+        check_api_discovery(swapped, proxy)
+    wrong_port = rep(cfg, discovery=rep(cfg.discovery, kubernetes=rep(
+        cfg.discovery.kubernetes, port=8100)))
+    with pytest.raises(AssertionError, match="port 8100"):
+        check_api_discovery(wrong_port, proxy)
+    bad = json.loads(json.dumps(proxy))
+    del bad["spec"]["template"]["spec"]["serviceAccountName"]
+    with pytest.raises(AssertionError, match="no ServiceAccount"):
+        check_api_discovery(cfg, bad)
+    role = json.loads(json.dumps(by_kind("Role")["kvdisagg-proxy-discovery"]))
+    role["rules"][0]["verbs"] = ["get", "list"]  # no watch
+    real = by_kind
+
+    def patched(kind: str) -> dict[str, dict[str, Any]]:
+        return {role["metadata"]["name"]: role} if kind == "Role" else real(kind)
+    monkeypatch.setattr(sys.modules[__name__], "by_kind", patched)
+    with pytest.raises(AssertionError, match=r"may only \['get', 'list'\] pods"):
+        check_api_discovery(cfg, proxy)
+
+
+def test_dns_discovery_shown_in_the_readme_finds_both_roles():
+    """The README's DNS alternative names the headless Services of this base."""
+    text = (K8S / "README.md").read_text()
+    flags = re.findall(r"(--(?:prefill|decode)-dns) ([a-z0-9.:-]+)", text)
+    args = [w for pair in flags for w in pair]
+    assert sorted(set(check_proxy_discovery(args))) == ["decode", "prefill"]
+
+
+def admin_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvdisagg admin")
+    admin_cli.add_arguments(p)
+    return p
+
+
+def prestop_drain(c: dict[str, Any]) -> argparse.Namespace:
+    """The preStop hook's ``kvdisagg admin drain`` command line, parsed by the CLI's parser."""
+    hook = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert hook[:2] == ["sh", "-c"], f"not sh -c: {hook}"
+    words = shlex.split(hook[2].replace("$POD_IP", PLACEHOLDERS["$(POD_IP)"]))
+    assert words[:3] == ["exec", "kvdisagg", "admin"], f"not exec kvdisagg admin: {words}"
+    try:
+        args = admin_parser().parse_args(words[3:])
+    except SystemExit:
+        raise AssertionError(f"kvdisagg admin refuses {words[3:]}") from None
+    assert args.admin_command == "drain", words
+    return args
+
+
 def test_prestop_drains_this_pod_at_the_proxy_admin_service(tmp_path: Path):
-    cfg, proxy_container = proxy_config_from_configmap(tmp_path)
+    cfg, _ = proxy_config_from_configmap(tmp_path)
     admin_port = cfg.admin.port
     services = by_kind("Service")
     public = services["kvdisagg-proxy"]
+    proxy = by_kind("Deployment")["kvdisagg-proxy"]
     assert all(p["port"] != admin_port and p["targetPort"] not in ("admin", admin_port)
                for p in public["spec"]["ports"]), "the public Service carries the admin API"
     # only the vLLM pods may reach the admin port
     (policy,) = [n for n in by_kind("NetworkPolicy").values()
-                 if n["spec"]["podSelector"]["matchLabels"] == pod_labels(
-                     by_kind("Deployment")["kvdisagg-proxy"])]
+                 if n["spec"]["podSelector"]["matchLabels"] == pod_labels(proxy)]
     for rule in policy["spec"]["ingress"]:
         if any(p["port"] in ("admin", admin_port) for p in rule["ports"]):
             assert [f["podSelector"]["matchLabels"] for f in rule["from"]] == [
                 {"app.kubernetes.io/name": "vllm"}], rule
+    hooks = 0
     for name, w in workloads().items():
         for c in containers(w):
-            hook = c.get("lifecycle", {}).get("preStop")
-            if hook is None:
+            if "preStop" not in c.get("lifecycle", {}):
                 continue
-            cmd = " ".join(hook["exec"]["command"])
-            host = re.search(r"http://([a-z0-9-]+):(\d+)/admin/drain", cmd)
-            assert host and host.group(1) in services, f"{name}: {cmd}"
-            svc = services[host.group(1)]
+            hooks += 1
+            args = prestop_drain(c)
+            target = urlsplit(args.proxy)
+            assert target.hostname in services, f"{name}: --proxy {args.proxy}: no such Service"
+            svc = services[target.hostname]
             assert svc is not public, f"{name}: drains through the public Service"
-            (port,) = [p for p in svc["spec"]["ports"] if p["port"] == int(host.group(2))]
-            assert container_ports(by_kind("Deployment")["kvdisagg-proxy"])[port["targetPort"]] \
-                == admin_port, f"{name}: {host.group(0)} is not the proxy's admin listener"
+            (port,) = [p for p in svc["spec"]["ports"] if p["port"] == target.port]
+            assert container_ports(proxy)[port["targetPort"]] == admin_port, (
+                f"{name}: {args.proxy} is not the proxy's admin listener")
             # the key: a file of a mounted Secret, the same Secret as the proxy's
-            key_path = re.search(r"\$\(cat (\S+)\)", cmd)
-            assert key_path and "Authorization: Bearer" in cmd, f"{name}: no key sent: {cmd}"
+            assert args.key_file, f"{name}: no --key-file"
             mount = next(m for m in c["volumeMounts"]
-                         if Path(key_path.group(1)).parent == Path(m["mountPath"]))
+                         if Path(args.key_file).parent == Path(m["mountPath"]))
             vol = next(v for v in w["spec"]["template"]["spec"]["volumes"]
                        if v["name"] == mount["name"])
-            proxy_vol = next(v for v in by_kind("Deployment")["kvdisagg-proxy"]["spec"][
-                "template"]["spec"]["volumes"] if "secret" in v)
+            proxy_vol = next(v for v in proxy["spec"]["template"]["spec"]["volumes"]
+                             if "secret" in v)
             assert vol["secret"]["secretName"] == proxy_vol["secret"]["secretName"], name
-            # DNS discovery knows a pod as http://<pod IP>:<port>
-            assert "http://$POD_IP:8000" in cmd, f"{name}: drains another URL than its own"
+            # the URL discovery knows this pod by: http://<pod IP>:<http port>
+            assert '"http://$POD_IP:8000"' in c["lifecycle"]["preStop"]["exec"]["command"][2]
+            assert args.url == f"http://{PLACEHOLDERS['$(POD_IP)']}:{cfg.discovery.kubernetes.port}"
+            assert container_ports(w)["http"] == cfg.discovery.kubernetes.port
             env = {e["name"]: e for e in c.get("env", [])}
             assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP", name
+            # bounded inside the grace period; a pod the proxy never knew is not an error
+            grace = w["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+            assert args.timeout + admin_cli.ANSWER_GRACE_S < grace, name
+            assert args.missing_ok and not args.remove, name
+    assert hooks == 2
+    for path in K8S.glob("*.yaml"):  # nothing in the pods needs curl
+        assert "curl" not in path.read_text(), f"{path.relative_to(ROOT)} uses curl"
+
+
+def test_prestop_check_can_fail():
+    c = json.loads(json.dumps(containers(workloads()["decode"])[0]))
+    script = c["lifecycle"]["preStop"]["exec"]["command"][2]
+    c["lifecycle"]["preStop"]["exec"]["command"][2] = script.replace("--timeout", "--timout")
+    with pytest.raises(AssertionError, match="kvdisagg admin refuses"):
+        prestop_drain(c)
+    c["lifecycle"]["preStop"]["exec"]["command"][2] = "curl -X POST http://x/admin/drain"
+    with pytest.raises(AssertionError, match="not exec kvdisagg admin"):
+        prestop_drain(c)
 
 
 def test_prometheus_scrape_config():
@@ -492,3 +624,199 @@ def test_shlex_roundtrip_of_the_cpu_example():
         assert flag in words
     assert "VLLM_CPU_OMP_THREADS_BIND=0" in text and "VLLM_CPU_OMP_THREADS_BIND=1" in text
     assert "0.0.0.0" not in text
+
+
+# ---------------------------------------------------------------- Kubernetes: images
+# Docker cannot run here: the Dockerfiles are parsed and checked against the source tree,
+# pyproject.toml, build.sh and the manifests.
+
+IMAGES = K8S / "images"
+INSTRUCTIONS = {"FROM", "ARG", "ENV", "LABEL", "WORKDIR", "COPY", "RUN", "USER", "EXPOSE",
+                "ENTRYPOINT", "CMD"}
+
+
+class Instruction(NamedTuple):
+    cmd: str
+    args: str
+    line: int
+
+
+def parse_dockerfile(text: str) -> list[Instruction]:
+    """Instructions with continuation lines joined; comments and parser directives dropped."""
+    out, buf, start = [], "", 0
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if line.startswith("#") or (not buf and not line):
+            continue
+        if not buf:
+            start = n
+        if line.endswith("\\"):
+            buf += line[:-1] + " "
+            continue
+        buf += line
+        cmd, _, args = buf.partition(" ")
+        out.append(Instruction(cmd.upper(), " ".join(args.split()), start))
+        buf = ""
+    assert not buf, "the file ends inside a continued line"
+    return out
+
+
+def pyproject() -> dict[str, Any]:
+    import tomllib
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def in_build_context(rel: str) -> bool:
+    """Whether the root .dockerignore lets ``rel`` (a path under the root) into the context:
+    the last pattern matching it or a parent decides, ``!`` re-including."""
+    from fnmatch import fnmatch
+    patterns = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()
+                if ln.strip() and not ln.startswith("#")]
+    parts = Path(rel).parts
+    paths = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    included = True
+    for pat in patterns:
+        neg = pat.startswith("!")
+        pat = pat.lstrip("!").rstrip("/")
+        if any(fnmatch(p, pat) for p in paths):
+            included = neg
+    return included
+
+
+def check_dockerfile(text: str, where: str) -> dict[str, Any]:
+    """Checks one Dockerfile; returns what the cross-checks need: the final stage's base, user,
+    labels and the pip extras installed."""
+    instrs = parse_dockerfile(text)
+    unknown = {i.cmd for i in instrs} - INSTRUCTIONS
+    assert not unknown, f"{where}: instructions not checked here (ADD?): {unknown}"
+    assert instrs and instrs[0].cmd == "FROM", f"{where}: does not start with FROM"
+    stages: list[str] = []
+    args: dict[str, str] = {}
+    final: dict[str, Any] = {}
+    extras: list[str] = []
+    for ins in instrs:
+        if ins.cmd == "FROM":
+            words = ins.args.split()
+            base = words[0]
+            if base not in stages:
+                tag = base.partition(":")[2]
+                assert tag and tag != "latest" and re.search(r"\d", tag) and "$" not in base, (
+                    f"{where}:{ins.line}: {base} is not pinned to a version")
+            stages.append(words[2] if len(words) == 3 and words[1].upper() == "AS" else f"#{len(stages)}")
+            final = {"base": base, "user": None, "labels": {}}
+            args = {}
+        elif ins.cmd == "ARG":
+            k, _, v = ins.args.partition("=")
+            args[k] = v
+        elif ins.cmd == "LABEL":
+            for k, v in re.findall(r'(\S+)="([^"]*)"', ins.args):
+                final["labels"][k] = v
+        elif ins.cmd == "USER":
+            final["user"] = ins.args
+        elif ins.cmd == "COPY":
+            words = ins.args.split()
+            flags = [w for w in words if w.startswith("--")]
+            srcs = [w for w in words if not w.startswith("--")][:-1]
+            frm = [f.split("=", 1)[1] for f in flags if f.startswith("--from=")]
+            if frm:
+                assert frm[0] in stages[:-1], f"{where}:{ins.line}: no earlier stage {frm[0]}"
+                continue
+            for src in srcs:
+                assert (ROOT / src).exists(), f"{where}:{ins.line}: COPY {src}: no such path"
+                assert in_build_context(src.rstrip("/")), (
+                    f"{where}:{ins.line}: COPY {src}: left out of the context by .dockerignore")
+        elif ins.cmd == "RUN":
+            run = ins.args
+            for k, v in args.items():
+                run = run.replace(f"${{{k}}}", v).replace(f"${k}", v)
+            extras += [e.strip() for group in re.findall(r"(?:kvdisagg|\.whl\))\[([^\]]+)\]", run)
+                       for e in group.split(",")]
+    known = set(pyproject()["project"]["optional-dependencies"])
+    missing = set(extras) - known
+    assert not missing, f"{where}: extras pyproject.toml lacks: {sorted(missing)}"
+    final["extras"] = extras
+    return final
+
+
+def built_images() -> dict[str, Path]:
+    """image:tag -> Dockerfile, as images/build.sh builds them."""
+    text = (IMAGES / "build.sh").read_text()
+    built = re.findall(r'docker build -f (\S+) -t "\$\{prefix\}([^"]+)" \.', text)
+    assert built, "images/build.sh builds nothing"
+    return {image: ROOT / path for path, image in built}
+
+
+def test_dockerfiles_build_from_this_tree():
+    version = pyproject()["project"]["version"]
+    gpu = pyproject()["project"]["optional-dependencies"]["gpu"]
+    (vllm_pin,) = [r for r in gpu if r.startswith("vllm==")]
+    vllm_version = vllm_pin.split("==")[1]
+    images = built_images()
+    assert set(images.values()) == set(IMAGES.glob("*.Dockerfile")), "a Dockerfile build.sh skips"
+    for image, path in images.items():
+        assert path.is_file(), f"build.sh: {path} does not exist"
+        final = check_dockerfile(path.read_text(), str(path.relative_to(ROOT)))
+        assert final["labels"]["org.opencontainers.image.version"] == version, path.name
+        name, _, tag = image.partition(":")
+        if name == "kvdisagg-vllm":  # vLLM's image, the version kvdisagg's gpu extra pins
+            assert final["base"] == f"vllm/vllm-openai:v{vllm_version}", final["base"]
+            assert tag == f"{version}-vllm{vllm_version}", image
+            assert set(final["extras"]) == {"mooncake-gpu", "lmcache", "tracing"}, final["extras"]
+        else:  # the proxy: no vLLM, a non-root numeric user
+            assert name == "kvdisagg-proxy" and tag == version, image
+            assert final["base"].startswith("python:3.11"), final["base"]
+            assert "vllm" not in path.read_text().lower().replace("no vllm", ""), path.name
+            uid = final["user"].split(":")[0]
+            assert uid.isdigit() and int(uid) != 0, f"{path.name}: USER {final['user']}"
+
+
+def test_manifests_run_the_images_build_sh_builds():
+    images = built_images()
+    seen = set()
+    for name, w in workloads().items():
+        for c in containers(w):
+            assert c["image"] in images, f"{name}: {c['image']} is not built by images/build.sh"
+            kind = images[c["image"]].name
+            if "--kv-transfer-config" in c.get("args", []):
+                assert kind == "vllm.Dockerfile", f"{name}: vLLM runs from {kind}"
+            if c.get("command", [])[:2] == ["kvdisagg", "proxy"]:
+                assert kind == "proxy.Dockerfile", f"{name}: the proxy runs from {kind}"
+                user = check_dockerfile(images[c["image"]].read_text(), kind)["user"]
+                sc = w["spec"]["template"]["spec"]["securityContext"]
+                assert sc["runAsNonRoot"] and str(sc["runAsUser"]) == user.split(":")[0]
+            seen.add(kind)
+    assert seen == {"vllm.Dockerfile", "proxy.Dockerfile"}
+
+
+def test_proxy_image_pins_every_dependency():
+    from packaging.requirements import Requirement
+    pins = {}
+    for line in (IMAGES / "proxy-constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, ver = line.partition("==")
+            assert ver, f"proxy-constraints.txt: {line!r} is not name==version"
+            pins[name.lower().replace("_", "-")] = ver
+    for raw in pyproject()["project"]["dependencies"]:
+        req = Requirement(raw)
+        name = req.name.lower().replace("_", "-")
+        assert name in pins, f"proxy-constraints.txt does not pin {req.name}"
+        assert req.specifier.contains(pins[name]), f"{req.name}=={pins[name]} is not {req}"
+
+
+def test_dockerfile_checks_can_fail():
+    ok = "FROM python:3.11.13-slim-bookworm AS b\nCOPY src/ src/\nFROM python:3.11.13-slim-bookworm\n"
+    check_dockerfile(ok, "ok")
+    for bad, why in (
+            ("FROM python:latest\n", "not pinned"),
+            ("FROM python\n", "not pinned"),
+            ("FROM python:3.11.13-slim\nCOPY no/such/dir/ /x/\n", "no such path"),
+            ("FROM python:3.11.13-slim\nCOPY tests/ /x/\n", "left out of the context"),
+            ("FROM python:3.11.13-slim\nCOPY --from=wheel /w /w\n", "no earlier stage"),
+            ("FROM python:3.11.13-slim\nRUN pip install 'kvdisagg[mooncake-gpu,nope]'\n", "nope"),
+            ("FROM python:3.11.13-slim\nARG X=gpuu\nRUN pip install \\\n  kvdisagg[${X}]\n",
+             "gpuu"),
+            ("FROM python:3.11.13-slim\nADD src/ /src/\n", "ADD")):
+        with pytest.raises(AssertionError, match=why):
+            check_dockerfile(bad, "bad")
+    with pytest.raises(AssertionError, match="continued"):
+        parse_dockerfile("FROM x:1\nRUN a \\\n")

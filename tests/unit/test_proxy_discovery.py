@@ -26,8 +26,7 @@ from kvdisagg.proxy.config import (DecisionConfig, DiscoveryConfig, HealthConfig
                                    KubernetesDiscovery, ProxyConfig, Role, TimeoutConfig,
                                    load_config_file)
 from kvdisagg.proxy.discovery import (Discovery, DiscoveryError, DnsSource, Target, address_urls,
-                                      desired, parse_endpoints, parse_pods, parse_target, plan,
-                                      srv_urls)
+                                      desired, parse_pods, parse_target, plan, srv_urls)
 from kvdisagg.proxy.metrics import Metrics
 from kvdisagg.proxy.policies import Side
 from kvdisagg.proxy.registry import Outcome, Registry, State
@@ -110,7 +109,7 @@ def test_record_parsing_builds_urls() -> None:
         "http://10.0.0.1:8100", "http://10.0.0.9:8100", "http://[fd00::1]:8100"]
 
 
-def test_kubernetes_pod_and_endpoints_parsing() -> None:
+def test_kubernetes_pod_parsing() -> None:
     ready = [{"type": "Ready", "status": "True"}]
     pods = {"kind": "PodList", "items": [
         {"metadata": {"name": "a"}, "status": {"phase": "Running", "podIP": "10.1.0.5",
@@ -124,11 +123,11 @@ def test_kubernetes_pod_and_endpoints_parsing() -> None:
     ]}
     assert parse_pods(pods, 8200) == ["http://10.1.0.5:8200"]
     assert parse_pods({"items": []}, 8200) == []
-    ep = {"kind": "Endpoints", "subsets": [{"addresses": [{"ip": "10.1.0.9"}, {"ip": "10.1.0.8"}],
-                                            "notReadyAddresses": [{"ip": "10.1.0.1"}]}]}
-    assert parse_endpoints(ep, 8100) == ["http://10.1.0.8:8100", "http://10.1.0.9:8100"]
-    assert parse_endpoints({"items": [ep, {"subsets": None}]}, 8100) == [
-        "http://10.1.0.8:8100", "http://10.1.0.9:8100"]
+    bad_ip = {"metadata": {"name": "e"}, "status": {"phase": "Running", "podIP": "10.1.0",
+                                                    "conditions": ready}}
+    v6 = {"metadata": {"name": "f"}, "status": {"phase": "Running", "podIP": "fd00::7",
+                                                "conditions": ready}}
+    assert parse_pods({"items": [bad_ip, v6]}, 8200) == ["http://[fd00::7]:8200"]
 
 
 # the diff
@@ -167,6 +166,12 @@ class FakeSource:
         if self.fail:
             raise DiscoveryError(self.fail)
         return list(self.urls)
+
+    def subscribe(self, on_change: Any) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
 
 
 def dead_url() -> str:
