@@ -158,7 +158,7 @@ class FakeVllm:
 
     def app(self) -> web.Application:
         app = web.Application()
-        for method, path in (("POST", "/tokenize"), ("GET", "/version"), ("POST", "/pause"),
+        for method, path in (("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/pause"),
                              ("POST", "/v1/responses")):
             app.router.add_route(method, path, self.other)
         app.router.add_post("/v1/completions", self.generate)

@@ -76,7 +76,10 @@ async def open_decode(s: Serving, ctx: RequestCtx, pre: Prefilled,
     for attempt in range(cfg.retry.decode_attempts):
         if deadline - _now() <= 0:
             break
-        if attempt == 0 and first is not None and first.instance is not None:
+        # The decision's pick, unless it stopped being routable meanwhile (drained, removed,
+        # unhealthy while the prefill leg ran).
+        if (attempt == 0 and first is not None and first.instance is not None
+                and first.instance in reg.candidates(Side.DECODE)):
             sel = first
         else:
             cands = reg.candidates(Side.DECODE, tuple(tried))
