@@ -39,6 +39,12 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     frees its paged blocks at once and the engine idles while decode has not pulled yet.
     -1 (auto): half the KV cache's blocks when the KV cache is in host memory (CPU), 0 on
     GPUs; 0: never stage (handoffs hold their paged blocks until pulled)."""
+    kv_checksum: bool = True
+    """Verify every KV transfer with a checksum before vLLM uses the blocks (integrity.py): a
+    mismatch fails the load (``kv_load_failure_policy`` applies) and counts in
+    ``vllm:kvdisagg_checksum_failures_total``. Pull transports: decode's setting decides (it
+    asks prefill for the checksum in each Read). lmcache: the writer's setting decides whether a
+    chunk carries one, the reader's whether it is checked."""
     mooncake_protocol: Literal["auto", "tcp", "rdma"] = "auto"
     """Mooncake's protocol; ``auto`` is ``rdma`` when RDMA devices exist, else ``tcp``."""
     mooncake_device: str = ""

@@ -8,6 +8,7 @@
         ├── PeerUnreachable     could not connect within the timeout
         ├── TransferTimeout     a transfer did not finish within the timeout
         └── TransferFailed      the peer refused the read, or the stream broke
+            └── ChecksumMismatch  the KV that landed differs from what the peer sent
 """
 
 
@@ -41,3 +42,8 @@ class TransferTimeout(TransportError):
 
 class TransferFailed(TransportError):
     pass
+
+
+class ChecksumMismatch(TransferFailed):
+    """The bytes decode received are not the bytes prefill sent (or the store holds): the load
+    fails, never an answer computed from them. The message names the handoff and the peer."""

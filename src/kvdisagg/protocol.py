@@ -11,6 +11,9 @@ PROTOCOL_VERSION history:
   3: decode-paced leases: kv_transfer_params carry ``lease_s``; decode's scheduler keeps every
      handoff it holds alive with one-way Renew frames on a control connection (Hello with
      ``control``), so a lease runs out only when its decode stops renewing.
+  4: KV checksums: a Read may ask for one (``checksum``: the algorithm, integrity.py); prefill
+     then follows the bytes with a Checksum frame of what it sent, decode compares it with what
+     landed in its blocks and says in Done whether it matched (``checksum_ok``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import msgspec
 
 from kvdisagg.errors import TransferFailed
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 NAMESPACE = "kvdisagg"
 MAX_FRAME_BYTES = 1 << 20  # control frames only; KV bytes travel outside frames
 
@@ -117,6 +120,16 @@ class Read(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     token: str
     block_ids: list[BlockId]
     dst_block_ids: list[BlockId]
+    checksum: str = ""
+    """Follow the bytes with a Checksum frame of this algorithm ('' = none)."""
+
+
+class Checksum(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """Prefill -> decode, after the bytes of a Read that asked for it: the checksum of the
+    granted runs as prefill sent them (for a one-sided read, of its memory while pinned)."""
+
+    algorithm: str
+    digest: Annotated[bytes, msgspec.Meta(max_length=64)]
 
 
 class Done(msgspec.Struct, tag=True, frozen=True, kw_only=True):
@@ -126,6 +139,9 @@ class Done(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     handoff_id: str
     token: str
     ok: bool = True
+    checksum_ok: bool = True
+    """False: the bytes of this pull failed decode's checksum (prefill logs it, and frees the
+    handoff all the same: the load fails on decode and the request is retried or recomputed)."""
 
 
 class HandoffRef(msgspec.Struct, array_like=True, frozen=True):
@@ -150,7 +166,7 @@ class Reply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     info: dict[str, Any] = {}
 
 
-Message = Hello | Read | Done | Renew | Reply
+Message = Hello | Read | Checksum | Done | Renew | Reply
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 _header = struct.Struct("!I")

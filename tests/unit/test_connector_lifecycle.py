@@ -998,6 +998,86 @@ def test_decode_owner_aborted_mid_pull_fails_its_siblings_load_not_a_second_read
     h.assert_no_leak()
 
 
+# ---- silent recompute is visible (issue 18) -------------------------------------------------
+
+
+def recomputed(h: SchedulerHarness) -> dict[str, int]:
+    """vllm:kvdisagg_recomputed_prompts_total by reason, as the engine's stats carried it."""
+    out: dict[str, int] = {}
+    for s in h.history:
+        data = (s.stats.kv_connector_stats if s.stats is not None else None) or {}
+        for reason, n in data.get("recomputed_prompts", {}).items():
+            out[reason] = out.get(reason, 0) + n
+    return out
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+@pytest.mark.parametrize("case", ["loaded", "load_failed", "invalid_params", "not_read",
+                                  "tail", "aborted"])
+def test_decode_counts_requests_that_computed_their_prompt_despite_a_handoff(make, case, policy):
+    """Only a request that arrived with a handoff, got an answer, and computed its prompt here
+    counts, once, by why; a failure under the fail policy is an error, not a recompute."""
+    h = make("kv_consumer", kv_load_failure_policy=policy)
+    params = remote_prefill_params(h, 40)
+    if case == "invalid_params":
+        params = _forge(params, "tp-mismatch")
+    if case == "tail":  # decode's prefix cache holds the prompt's full blocks: the rest loads
+        tokens = [(5 * i) % 500 + 3 for i in range(40)]
+        warm = h.add_request(40, prompt=tokens, max_tokens=1)
+        h.drain()
+        assert h.final_output(warm.request_id) is not None
+    req = h.add_request(40, kv_transfer_params=params, max_tokens=2,
+                        **({"prompt": tokens} if case == "tail" else {}),
+                        **({"prompt_logprobs": 1} if case == "not_read" else {}))
+    rid = req.request_id
+    s = h.step()
+    if case in ("loaded", "tail"):
+        (load,) = s.meta.loads
+        assert len(load.local_block_ids) == (1 if case == "tail" else 3)
+        h.step(finished_recving={rid})
+    elif case == "load_failed":
+        h.step(failed_recving={rid})
+    elif case == "invalid_params":
+        (load,) = s.meta.loads
+        assert load.error
+        h.step(failed_recving={rid})
+    elif case == "aborted":
+        h.abort(rid)
+        h.step(finished_recving={rid})
+    h.drain()
+    failed = case in ("load_failed", "invalid_params")
+    answered = case != "aborted" and not (failed and policy == "fail")
+    if case != "aborted":  # an aborted request gets no final output from the engine
+        assert (h.final_output(rid).finish_reason == FinishReason.LENGTH) == answered
+    assert recomputed(h) == ({case: 1} if answered and (failed or case == "not_read") else {})
+    h.assert_no_leak()
+
+
+def test_decode_siblings_that_recompute_count_each(make):
+    h = make("kv_consumer", kv_load_failure_policy="recompute")
+    owner, sib = _siblings(h, 40, 2, remote_prefill_params(h, 40))
+    h.step()
+    h.step(failed_recving={owner.request_id})
+    h.step()
+    h.step(failed_recving={sib.request_id})
+    h.drain()
+    assert recomputed(h) == {"load_failed": 2}
+    h.assert_no_leak()
+
+
+def test_recomputed_counts_aggregate_and_reduce():
+    from kvdisagg.connector.stats import DisaggStats
+
+    a, b = DisaggStats(), DisaggStats()
+    assert a.is_empty()
+    a.recomputed("load_failed")
+    b.recomputed("load_failed")
+    b.recomputed("not_read")
+    assert not b.is_empty()
+    a.aggregate(b)
+    assert a.reduce()["recomputed_load_failed"] == 2 and a.reduce()["recomputed_not_read"] == 1
+
+
 # ---- decode with a store transport: the next turn's KV (issue 15) ---------------------------
 
 

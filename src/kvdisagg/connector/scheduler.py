@@ -18,6 +18,12 @@ compute only the tail, exactly as n siblings do on a plain instance. So the KV m
 handoff is read once and released once. If the owner's load failed, every sibling's load is
 reported failed too (``kv_load_failure_policy`` then applies to each).
 
+A decode request that arrived with a handoff but computed its prompt itself (its load failed
+under ``kv_load_failure_policy=recompute``, its params were unusable, or vLLM read no cached KV
+for it: prompt logprobs) looks exactly like a disaggregated one from outside, only slower and
+with prefill's work wasted: each is counted once it finishes, by reason
+(``vllm:kvdisagg_recomputed_prompts_total{reason}``, stats.RECOMPUTED).
+
 Must not import torch or kvdisagg.transport: all byte movement is the worker's.
 """
 
@@ -90,6 +96,9 @@ class DisaggScheduler:
         self._pulled: set[str] = set()  # decode requests whose load was already planned
         self._key_of: dict[str, HandoffKey] = {}  # decode request -> the handoff it carries
         self._shared: dict[HandoffKey, _Shared] = {}
+        # Decode requests that arrived with a handoff -> why they compute their prompt
+        # themselves ('' while they do not, as far as is known), until they finish.
+        self._handed: dict[str, str] = {}
         self._sends: list[SendSpec] = []
         self._loads: list[LoadSpec] = []
         self.leases: LeaseKeeper | None = None  # decode: keeps held handoffs alive
@@ -124,6 +133,7 @@ class DisaggScheduler:
         params = request.kv_transfer_params
         if not self.is_consumer or not (params and params.get("do_remote_prefill")):
             return
+        self._handed[request.request_id] = ""
         if (key := handoff_key(params)) is not None:
             self._key_of[request.request_id] = key
             self._shared.setdefault(key, _Shared()).refs += 1
@@ -142,6 +152,8 @@ class DisaggScheduler:
         """A reported load ends the hold (a failed one also releases prefill's KV); staged
         handoffs freed on every worker give their arena blocks back."""
         for req_id in finished_recving:
+            if req_id in failed_recving and self._handed.get(req_id) == "":
+                self._handed[req_id] = "load_failed"  # recomputed if the request then finishes
             if self.leases is not None:
                 self.leases.drop(req_id, release=req_id in failed_recving)
             shared = self._shared.get(self._key_of.get(req_id))  # type: ignore[arg-type]
@@ -226,6 +238,8 @@ class DisaggScheduler:
                                                           stored))
             return
         self._pulled.add(request.request_id)  # never pull twice (recompute, preemption)
+        if request.skip_reading_prefix_cache and request.request_id in self._handed:
+            self._handed[request.request_id] = "not_read"  # vLLM claimed nothing of the load
         if (shared := self._sibling_of(request.request_id)) is not None:
             if self.leases is not None:  # the owner's load reads and releases the handoff
                 self.leases.drop(request.request_id, release=False)
@@ -242,6 +256,8 @@ class DisaggScheduler:
         first = len(blocks.get_block_ids()[0]) - len(local) if local else 0
         local = local[:-(-num_external_tokens // self.block_size)] if local else []
         load = self._plan_load(request.request_id, params, local, first)
+        if load.error and self._handed.get(request.request_id) == "":
+            self._handed[request.request_id] = "invalid_params"
         if (load.error or load.release_only) and self.leases is not None:
             self.leases.drop(request.request_id, release=False)  # the worker reports no load
         if self.keyed_by_tokens and not load.error:
@@ -295,6 +311,10 @@ class DisaggScheduler:
 
         self._pulled.discard(request.request_id)
         self._stored.pop(request.request_id, None)
+        finished = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED,
+                                      RequestStatus.FINISHED_STOPPED)
+        if (reason := self._handed.pop(request.request_id, "")) and finished:
+            self._stats.recomputed(reason)  # answered, from a prompt computed here
         if (key := self._key_of.pop(request.request_id, None)) is not None:
             shared = self._shared[key]
             if shared.owner == request.request_id and not shared.landed:
@@ -307,8 +327,6 @@ class DisaggScheduler:
         if self.leases is not None:  # gone before its pull was reported: free prefill's KV
             self.leases.drop(request.request_id, release=True)
         params = request.kv_transfer_params
-        finished = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED,
-                                      RequestStatus.FINISHED_STOPPED)
         if (self.is_consumer and self.keyed_by_tokens and finished and block_ids
                 and self.config.lmcache_store_decoded):
             return self._store_decoded(request, block_ids), None

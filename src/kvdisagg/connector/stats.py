@@ -1,6 +1,7 @@
 """Transfer counters and phase timings: the workers (and the scheduler) report them each step;
 vLLM logs them and exports them on the instance's own /metrics, as Prometheus counters
-``vllm:kvdisagg_*`` and the histogram ``vllm:kvdisagg_phase_seconds{phase=...}``."""
+``vllm:kvdisagg_*`` (``vllm:kvdisagg_recomputed_prompts_total`` with a ``reason`` label) and the
+histogram ``vllm:kvdisagg_phase_seconds{phase=...}``."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from kvdisagg.scheduler import PROM_COUNTERS
 FIELDS = {
     "pulls": "KV pulls completed by this decode instance",
     "pull_failures": "KV pulls that failed (reported to vLLM's kv_load_failure_policy)",
+    "checksum_failures": "KV loads whose bytes failed their checksum (also pull failures): "
+                         "corrupted in flight or at rest, never used",
     "pulled_bytes": "KV bytes pulled from prefill instances",
     "pull_seconds": "Wall time spent in KV pulls, summed over pulls",
     "pulled_blocks": "KV blocks pulled from prefill instances",
@@ -42,6 +45,16 @@ PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.0
                  0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _PHASE_KEY = "phase_seconds"  # data[_PHASE_KEY][phase]: the step's observations
 
+RECOMPUTED = {  # reasons of vllm:kvdisagg_recomputed_prompts_total (docs/operations.md)
+    "load_failed": "its KV load failed (peer gone, timeout, checksum) and "
+                   "kv_load_failure_policy is recompute",
+    "invalid_params": "its kv_transfer_params could not be used (malformed, another TP size, "
+                      "fewer blocks than the prompt) and kv_load_failure_policy is recompute",
+    "not_read": "vLLM read no cached KV for it (prompt logprobs need every prompt token "
+                "computed)",
+}
+_RECOMPUTED_KEY = "recomputed_prompts"  # data[_RECOMPUTED_KEY][reason]: a count
+
 
 class DisaggStats(KVConnectorStats):
     def reset(self) -> None:
@@ -50,24 +63,35 @@ class DisaggStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k in FIELDS:
             self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
+        for reason, n in other.data.get(_RECOMPUTED_KEY, {}).items():
+            counts = self.data.setdefault(_RECOMPUTED_KEY, {})
+            counts[reason] = counts.get(reason, 0) + n
         for phase, values in other.data.get(_PHASE_KEY, {}).items():
             self.data.setdefault(_PHASE_KEY, {}).setdefault(phase, []).extend(values)
         return self
 
     def reduce(self) -> dict[str, int | float]:
         """Counters as they are, phases as their mean in ms (vLLM's periodic log line)."""
-        out = {k: v for k, v in self.data.items() if k != _PHASE_KEY}
+        out = {k: v for k, v in self.data.items() if k not in (_PHASE_KEY, _RECOMPUTED_KEY)}
+        for reason, n in self.data.get(_RECOMPUTED_KEY, {}).items():
+            out[f"recomputed_{reason}"] = n
         for phase, values in self.data.get(_PHASE_KEY, {}).items():
             if values:
                 out[f"{phase}_ms_mean"] = round(1e3 * sum(values) / len(values), 3)
         return out
 
     def is_empty(self) -> bool:
-        return not (any(self.data.get(k) for k in FIELDS) or self.data.get(_PHASE_KEY))
+        return not (any(self.data.get(k) for k in FIELDS) or self.data.get(_PHASE_KEY)
+                    or any(self.data.get(_RECOMPUTED_KEY, {}).values()))
 
     def add(self, **values: float) -> None:
         for k, v in values.items():
             self.data[k] = self.data.get(k, 0) + v
+
+    def recomputed(self, reason: str) -> None:
+        """A request that arrived with a handoff computed its prompt itself (RECOMPUTED)."""
+        counts = self.data.setdefault(_RECOMPUTED_KEY, {})
+        counts[reason] = counts.get(reason, 0) + 1
 
     def observe(self, **seconds: float) -> None:
         """One observation per named phase (PHASES)."""
@@ -91,6 +115,13 @@ class DisaggPromMetrics(KVConnectorPromMetrics):
             + "; ".join(f"{k}: {v}" for k, v in PHASES.items()) + ")", buckets=PHASE_BUCKETS)
         self.phases = {idx: {p: histogram.labels(*values, p) for p in PHASES}
                        for idx, values in per_engine_labelvalues.items()}
+        recomputed = self._counter_cls(
+            name="vllm:kvdisagg_recomputed_prompts", labelnames=[*labelnames, "reason"],
+            documentation="Requests that arrived with a handoff (do_remote_prefill) but whose "
+            "prompt this decode instance computed itself (reason label: "
+            + "; ".join(f"{k}: {v}" for k, v in RECOMPUTED.items()) + ")")
+        self.recomputed = {idx: {r: recomputed.labels(*values, r) for r in RECOMPUTED}
+                           for idx, values in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for k, v in transfer_stats_data.items():
@@ -100,3 +131,6 @@ class DisaggPromMetrics(KVConnectorPromMetrics):
             if (hist := self.phases.get(engine_idx, {}).get(phase)) is not None:
                 for v in values:
                     hist.observe(v)
+        for reason, n in transfer_stats_data.get(_RECOMPUTED_KEY, {}).items():
+            if n and (counter := self.recomputed.get(engine_idx, {}).get(reason)) is not None:
+                counter.inc(n)

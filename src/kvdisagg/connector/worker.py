@@ -21,7 +21,7 @@ from kvdisagg.config import ConnectorConfig
 from kvdisagg.connector.metadata import (DisaggMetadata, DisaggWorkerMeta, LoadSpec,
                                          WorkerHandshake)
 from kvdisagg.connector.stats import DisaggStats
-from kvdisagg.errors import KvDisaggError
+from kvdisagg.errors import ChecksumMismatch, KvDisaggError
 from kvdisagg.layout import (LayerRegion, layer_regions, layout_fingerprint, stage_into,
                              with_arena)
 from kvdisagg.threads import unbind_current_thread
@@ -151,7 +151,8 @@ class DisaggWorker:
                 self.config.transfer_timeout_seconds, timing)
         except Exception as exc:
             with self._lock:
-                self.stats.add(pull_failures=1)
+                self.stats.add(pull_failures=1,
+                               checksum_failures=int(isinstance(exc, ChecksumMismatch)))
             end(span, error=str(exc)[:200])
             raise
         elapsed = (now_ns() - timing.start_ns) / 1e9

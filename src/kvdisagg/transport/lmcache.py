@@ -13,6 +13,11 @@ CacheEngineKey), spoken over our own socket with a deadline on every call: LMCac
 connector that already owns vLLM's KV memory does not want. Keys and bytes are what LMCache's
 server stores; nothing here is a copy of its protocol.
 
+A stored chunk is its pages followed by a trailer (integrity.py): the ``xxh3_64`` digest of
+the pages as prefill stored them (or a marker saying it has none, with ``kv_checksum`` off), and
+decode checks it after the GET, before the load is reported done; the key names this format
+(``CHUNK_FORMAT``), so chunks of another one are never read as pages.
+
 The server trusts its clients (any client can read any key) and its CPU backend never evicts:
 run it on the serving network only, sized for the working set (docs/operations.md).
 """
@@ -36,8 +41,9 @@ from lmcache.v1.protocol import (ClientCommand, ClientMetaMessage, ServerMetaMes
                                  ServerReturnCode)
 
 from kvdisagg.config import LMCACHE_URL, ConnectorConfig
-from kvdisagg.errors import (ConfigError, PeerUnreachable, TransferFailed, TransferTimeout,
-                             TransportError)
+from kvdisagg.errors import (ChecksumMismatch, ConfigError, PeerUnreachable, TransferFailed,
+                             TransferTimeout, TransportError)
+from kvdisagg.integrity import TRAILER_BYTES, digest_views, pack_trailer, unpack_trailer
 from kvdisagg.layout import LayerRegion, check_blocks, copy_runs, run_tensor
 from kvdisagg.protocol import recv_into_exact, recv_into_views, send_views
 from kvdisagg.transport.base import Fetch, Offer, PullTiming
@@ -47,6 +53,7 @@ from kvdisagg.transport.tcp import host_bytes
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.01  # decode polls for chunks prefill has not stored yet
+CHUNK_FORMAT = 2  # 2: pages, then a checksum trailer (1: pages alone)
 
 
 @dataclass(frozen=True)
@@ -72,7 +79,7 @@ def chunk_plan(prompt: Sequence[int], *, kv_layout: str, block_size: int, chunk_
         digest.update(struct.pack(f"<{len(tokens)}q", *tokens))
         step = digest.copy()
         step.update(struct.pack("<q", len(tokens)))  # a partial chunk never equals a full one
-        key = CacheEngineKey(model_name=f"kvdisagg-{kv_layout}", world_size=1,
+        key = CacheEngineKey(model_name=f"kvdisagg{CHUNK_FORMAT}-{kv_layout}", world_size=1,
                              worker_id=rank, chunk_hash=int.from_bytes(step.digest(), "big"),
                              dtype=torch.uint8)
         chunks.append(Chunk(index, key, index * blocks_per_chunk,
@@ -279,22 +286,40 @@ class LMCacheTransport:
             dst = {b: fetch.local_block_ids[b - fetch.first_block] for b in needed}
             if all(h is not None for h in self._host):
                 parts = self._scatter_views(blocks, dst)
-                while not client.get_into(chunk.key, parts, deadline):
-                    time.sleep(min(POLL_S, deadline.left()))
+                self._get(client, chunk, parts, deadline)
             else:
                 self._fetch_staged(client, chunk, dst, deadline)
             nbytes += len(needed) * sum(r.page_bytes for r in self.regions)
         return nbytes
 
+    def _get(self, client: LMCacheClient, chunk: Chunk, parts: list[memoryview],
+             deadline: Deadline) -> None:
+        """GET a chunk into ``parts`` (waiting for it until the deadline), then check its
+        checksum against the pages as they landed."""
+        trailer = memoryview(bytearray(TRAILER_BYTES))
+        while not client.get_into(chunk.key, [*parts, trailer], deadline):
+            time.sleep(min(POLL_S, deadline.left()))
+        try:
+            stored = unpack_trailer(trailer)
+        except ValueError as exc:
+            raise TransferFailed(f"LMCache chunk {chunk.key.to_string()}: {exc}") from None
+        if stored is None or not self.config.kv_checksum:
+            return  # stored without a checksum (its writer had kv_checksum off), or unchecked
+        if (landed := digest_views(parts)) != stored:
+            raise ChecksumMismatch(
+                f"KV checksum mismatch in LMCache chunk {chunk.index} "
+                f"({chunk.key.to_string()}) from {client.url}: xxh3_64 {stored.hex()} stored, "
+                f"{landed.hex()} received; the load fails")
+
     def _scatter_views(self, blocks: range, dst: dict[int, int]) -> list[memoryview]:
-        """Where each page of a chunk goes (layer-major): its decode block, or a discard page
-        for blocks decode already holds."""
+        """Where each page of a chunk goes (layer-major): its decode block, or a page of its
+        own (the checksum covers the whole chunk) for blocks decode already holds."""
         parts = []
         for host, region in zip(self._host, self.regions):
             page = region.page_bytes
-            discard = memoryview(bytearray(page)) if len(dst) < len(blocks) else None
             for b in blocks:
-                parts.append(host[dst[b] * page:(dst[b] + 1) * page] if b in dst else discard)
+                parts.append(host[dst[b] * page:(dst[b] + 1) * page] if b in dst
+                             else memoryview(bytearray(page)))
         return parts
 
     def _fetch_staged(self, client: LMCacheClient, chunk: Chunk, dst: dict[int, int],
@@ -302,8 +327,7 @@ class LMCacheTransport:
         """KV off the host (CUDA): the chunk through one host buffer, then page copies."""
         geometry = _Geometry(self.regions, chunk.num_blocks)
         scratch = torch.empty(geometry.nbytes, dtype=torch.uint8)
-        while not client.get_into(chunk.key, [host_bytes(scratch)], deadline):
-            time.sleep(min(POLL_S, deadline.left()))
+        self._get(client, chunk, [host_bytes(scratch)], deadline)
         for b, block in dst.items():
             for layer, region in enumerate(self.regions):
                 page = geometry.page_bytes[layer]
@@ -352,8 +376,9 @@ class LMCacheTransport:
             if client.exists(chunk.key, deadline):
                 continue  # a shared prefix, stored by an earlier request
             runs = copy_runs(len(self.regions), block_ids, range(chunk.num_blocks))
-            client.put(chunk.key, [host_bytes(_on_host(run_tensor(self.regions, r, "src")))
-                                   for r in runs], deadline)
+            parts = [host_bytes(_on_host(run_tensor(self.regions, r, "src"))) for r in runs]
+            digest = digest_views(parts) if self.config.kv_checksum else None
+            client.put(chunk.key, [*parts, memoryview(pack_trailer(digest))], deadline)
 
 
 def _on_host(tensor: Any) -> Any:

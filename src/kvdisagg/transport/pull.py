@@ -7,11 +7,18 @@ opened once and kept:
     decode                               prefill
     Hello(layout, transport, info)  ->   check; Reply(info)     (once per connection; a
                                          transport may set up a peer here: nccl joins a group)
-    Read(handoff, token, blocks)    ->   pin the handoff if the token and blocks are its own;
-                                    <-   Reply(nbytes)
+    Read(handoff, token, blocks,    ->   pin the handoff if the token and blocks are its own;
+         checksum)                  <-   Reply(nbytes)
            ... the bytes move: send()/recv() of the subclass (tcp inline, nccl send/recv,
                mooncake a one-sided read of the memory advertised in the Hello reply) ...
-    Done(handoff, token)            ->   unpin, free                    (one-way)
+                                    <-   Checksum(digest of the runs it sent)   (if asked)
+    Done(handoff, token, checksum_ok) -> unpin, free                    (one-way)
+
+Checksums (integrity.py) are computed here for every pull transport, over each side's own KV
+memory: prefill after its send() (for a one-sided read, while decode reads the pinned blocks),
+decode after its recv(), before it reads prefill's frame, so the two hash at once. A mismatch
+fails the pull with ChecksumMismatch after Done (prefill frees the handoff; the load is reported
+failed and vLLM's kv_load_failure_policy applies).
 
 Decode's scheduler keeps the handoffs it holds alive over a control connection of its own
 (Hello with ``control``; no transport peer is set up for it):
@@ -37,11 +44,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Sequence
 
 from kvdisagg.config import ConnectorConfig
-from kvdisagg.errors import (IncompatiblePeerError, PeerUnreachable, TransferFailed,
-                             TransferTimeout, TransportError)
+from kvdisagg.errors import (ChecksumMismatch, IncompatiblePeerError, PeerUnreachable,
+                             TransferFailed, TransferTimeout, TransportError)
+from kvdisagg.integrity import ALGORITHMS, Digester
 from kvdisagg.layout import CopyRun, LayerRegion, check_blocks, copy_runs, run_bytes
-from kvdisagg.protocol import (PROTOCOL_VERSION, Done, Hello, Read, Renew, Reply, encode_frame,
-                               recv_frame, send_frame)
+from kvdisagg.protocol import (PROTOCOL_VERSION, Checksum, Done, Hello, Read, Renew, Reply,
+                               encode_frame, recv_frame, send_frame)
 from kvdisagg.threads import start_thread
 from kvdisagg.tracing import Tracer, now_ns
 from kvdisagg.transport.base import Fetch, Offer, PullTiming
@@ -133,6 +141,7 @@ class PullTransport:
     def register(self, regions: Sequence[LayerRegion], *, kv_layout: str, block_size: int,
                  is_producer: bool) -> int:
         self.regions, self.kv_layout = list(regions), kv_layout
+        self.digester = Digester(self.regions)
         self.attach(self.regions, is_producer)
         if not is_producer:
             return 0
@@ -262,15 +271,17 @@ class PullTransport:
         if error := check_blocks(self.regions, fetch.local_block_ids):
             raise TransferFailed(f"decode's {error}")
         try:
-            nbytes = 0
+            nbytes, mismatch = 0, ""
             if fetch.local_block_ids:
                 runs = copy_runs(len(self.regions), fetch.remote_block_ids,
                                  fetch.local_block_ids)
+                algorithm = self.digester.native if self.config.kv_checksum else None
                 sock.settimeout(deadline.left())
                 try:
                     send_frame(sock, Read(handoff_id=fetch.handoff_id, token=fetch.token,
                                           block_ids=list(fetch.remote_block_ids),
-                                          dst_block_ids=list(fetch.local_block_ids)))
+                                          dst_block_ids=list(fetch.local_block_ids),
+                                          checksum=algorithm.value if algorithm else ""))
                     reply = recv_frame(sock)
                 except (OSError, TransferFailed) as exc:
                     raise _StaleConnection(str(exc)) from None
@@ -285,12 +296,17 @@ class PullTransport:
                 if timing is not None:
                     timing.mark("read")
                 self.recv(conn.peer, sock, runs, deadline)
+                if algorithm is not None:
+                    mismatch = self._verify(sock, runs, algorithm, deadline, fetch, where)
                 if timing is not None:
                     timing.mark("transfer")
             sock.settimeout(deadline.left())
-            send_frame(sock, Done(handoff_id=fetch.handoff_id, token=fetch.token))
+            send_frame(sock, Done(handoff_id=fetch.handoff_id, token=fetch.token,
+                                  checksum_ok=not mismatch))
             if timing is not None:
                 timing.mark("done")
+            if mismatch:
+                raise ChecksumMismatch(mismatch)
             return nbytes
         except socket.timeout:
             raise TransferTimeout(f"{deadline.what} exceeded {deadline.seconds:.1f}s") from None
@@ -298,6 +314,23 @@ class PullTransport:
             raise
         except OSError as exc:
             raise TransferFailed(f"pull from {where} broke: {exc}") from None
+
+    def _verify(self, sock: socket.socket, runs: Sequence[CopyRun], algorithm: Any,
+                deadline: Deadline, fetch: Fetch, where: str) -> str:
+        """Decode: hash what landed, then read prefill's checksum; '' if they match, else
+        what to report (the handoff, the peer, both digests)."""
+        mine = self.digester.digest(runs, "dst", algorithm)
+        sock.settimeout(deadline.left())
+        theirs = recv_frame(sock)
+        if not isinstance(theirs, Checksum) or theirs.algorithm != algorithm.value:
+            raise TransferFailed(f"{where} answered a Read asking for a {algorithm.value} "
+                                 f"checksum with {theirs!r}")
+        if theirs.digest == mine:
+            return ""
+        return (f"KV checksum mismatch pulling handoff {fetch.handoff_id} from {where}: "
+                f"{algorithm.value} {theirs.digest.hex()} sent, {mine.hex()} received "
+                f"({run_bytes(self.regions, runs)} bytes into decode blocks "
+                f"{list(fetch.local_block_ids)[:8]}...); the load fails")
 
     # ---- prefill side ---------------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -357,11 +390,15 @@ class PullTransport:
 
     def _handle(self, peer: Any, sock: socket.socket, msg: object) -> None:
         match msg:
-            case Read(handoff_id=rid, token=token, block_ids=src, dst_block_ids=dst):
+            case Read(handoff_id=rid, token=token, block_ids=src, dst_block_ids=dst,
+                      checksum=checksum):
                 start_ns = now_ns()
                 error = check_blocks(self.regions, src)
                 if not error and len(dst) != len(src):
                     error = f"{len(src)} blocks to read into {len(dst)}"
+                if not error and checksum and checksum not in ALGORITHMS:
+                    error = (f"unknown checksum algorithm {checksum!r} (prefill knows "
+                             f"{sorted(ALGORITHMS)})")
                 if not error:
                     # A Read may come before the worker learnt of its handoff (that arrives in
                     # the next engine step's metadata, late on a busy host): wait for it as
@@ -379,8 +416,17 @@ class PullTransport:
                     self.send(peer, sock, runs, deadline, encode_frame(
                         Reply(ok=True, nbytes=run_bytes(self.regions, runs))))
                     # One-sided reads happen now; the pin holds until decode says Done.
+                    if checksum:
+                        algorithm = ALGORITHMS[checksum]
+                        digest = self.digester.digest(runs, "src", algorithm)
+                        sock.settimeout(deadline.left())
+                        send_frame(sock, Checksum(algorithm=checksum, digest=digest))
                     sock.settimeout(deadline.left())
                     done = recv_frame(sock)
+                    if isinstance(done, Done) and not done.checksum_ok:
+                        logger.warning("kvdisagg: decode %s received handoff %s corrupted (%s "
+                                       "checksum mismatch); freeing it, decode fails the load",
+                                       _peer_name(sock), rid, checksum)
                     if isinstance(done, Done) and done.handoff_id == rid:
                         if self.table.release(rid, done.token):
                             end_ns = now_ns()
@@ -401,6 +447,14 @@ class PullTransport:
                 self.table.renew([(r.handoff_id, r.token) for r in refs])
             case _:
                 send_frame(sock, Reply(ok=False, error=f"unexpected {type(msg).__name__}"))
+
+
+def _peer_name(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "(gone)"
 
 
 def _hung_up(sock: socket.socket) -> bool:
