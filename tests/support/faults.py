@@ -1,27 +1,72 @@
-"""Fault-injecting transports for tests: they speak tcp's wire but damage what they move."""
+"""Fault-injecting transports for tests: they speak their transport's wire, then damage one
+byte of what landed in decode's blocks, as a link or a stray write would.
+
+Load one on decode with ``"transport": "tests.support.faults:Corrupting<Name>Transport"``
+(``Tcp``, ``Nccl``, ``Mooncake``, ``LMCache``); prefill serves it as its plain transport. With
+``kv_checksum`` on (the default) decode must fail the load (ChecksumMismatch); with it off the
+corruption goes through, which proves the end-to-end tests can fail.
+"""
 
 from __future__ import annotations
 
+import importlib
 import socket
 from typing import Any, Sequence
 
-from kvdisagg.layout import CopyRun, run_tensor
+from kvdisagg.layout import CopyRun, LayerRegion, run_tensor
 from kvdisagg.transport.pull import Deadline
 from kvdisagg.transport.tcp import TcpTransport
 
 
-class CorruptingTcpTransport(TcpTransport):
-    """Receives like tcp, then reverses the KV bytes it received in place.
+def flip_one_byte(regions: Sequence[LayerRegion], runs: Sequence[CopyRun]) -> None:
+    """Flip one bit of the middle byte of the first run's destination blocks."""
+    rows = run_tensor(regions, runs[0], "dst")
+    flat = rows.reshape(-1)
+    flat[flat.numel() // 2] ^= 0x10
 
-    Proves the end-to-end tests can fail: decode output must change when the moved bytes do.
-    Load it with ``"transport": "tests.support.faults:CorruptingTcpTransport"`` on decode.
-    """
 
-    name = "tcp"  # prefill serves it as tcp
+class _CorruptsPulls:
+    """Mixin for pull transports: the received bytes, then one flipped."""
+
+    regions: list[LayerRegion]
 
     def recv(self, peer: Any, sock: socket.socket, runs: Sequence[CopyRun],
              deadline: Deadline) -> None:
-        super().recv(peer, sock, runs, deadline)
-        for run in runs:
-            tensor = run_tensor(self.regions, run, "dst")
-            tensor.copy_(tensor.flip(-1))  # same bytes, wrong places: plausible but wrong
+        super().recv(peer, sock, runs, deadline)  # type: ignore[misc]
+        if runs:
+            flip_one_byte(self.regions, runs)
+
+
+class CorruptingTcpTransport(_CorruptsPulls, TcpTransport):
+    pass
+
+
+_LAZY = {  # their dependencies are imported only when a test asks for them
+    "CorruptingNcclTransport": ("kvdisagg.transport.nccl", "NcclTransport"),
+    "CorruptingMooncakeTransport": ("kvdisagg.transport.mooncake", "MooncakeTransport"),
+}
+
+
+def _corrupting_lmcache() -> type:
+    from kvdisagg.transport.lmcache import LMCacheTransport
+
+    class CorruptingLMCacheTransport(LMCacheTransport):
+        def _receive(self, client: Any, chunk: Any, parts: list[memoryview],
+                     deadline: Deadline) -> None:
+            super()._receive(client, chunk, parts, deadline)
+            first = parts[0]  # a page of the chunk (the last part is the checksum trailer)
+            first[len(first) // 2] ^= 0x10
+
+    return CorruptingLMCacheTransport
+
+
+def __getattr__(name: str) -> type:
+    if name == "CorruptingLMCacheTransport":
+        cls = _corrupting_lmcache()
+    elif name in _LAZY:
+        module, base = _LAZY[name]
+        cls = type(name, (_CorruptsPulls, getattr(importlib.import_module(module), base)), {})
+    else:
+        raise AttributeError(name)
+    globals()[name] = cls
+    return cls

@@ -14,13 +14,14 @@ import pytest
 import torch
 
 from kvdisagg.config import ConnectorConfig
-from kvdisagg.errors import TransportError
+from kvdisagg.errors import ChecksumMismatch, TransportError
 from kvdisagg.testing.servers import LMCacheServer, free_port
 from tests.support.transport_peer import (BLOCK_SIZE, KV_LAYOUT, PeerProcess, kv_caches,
                                              open_transport)
 from kvdisagg.transport import Fetch, PullTiming
 
 TRANSPORTS = ["tcp", "nccl", "mooncake", "lmcache"]
+CORRUPTING = {"tcp": "Tcp", "nccl": "Nccl", "mooncake": "Mooncake", "lmcache": "LMCache"}
 PULL = {"tcp", "nccl", "mooncake"}
 TIMEOUT_S = 3.0
 SEED = 7
@@ -290,3 +291,41 @@ def test_peer_stalled_mid_service_is_a_typed_error_then_serves(pair):
     # formation that would wait out its timeout), so the next pull needs no extra room.
     decode.fetch(fetch_of(peer, "s2", token2, [4, 5], [6, 7], prompt), TIMEOUT_S)
     assert_moved(dst, [4, 5], [6, 7])
+
+
+@pytest.mark.parametrize("checksum", [True, False], ids=["checked", "unchecked"])
+def test_a_byte_flipped_in_flight_fails_the_fetch_and_nothing_leaks(pair, checksum):
+    """Decode's transport flips one byte of what landed (tests.support.faults): the fetch
+    fails with a checksum error naming the handoff and the peer, prefill frees the handoff,
+    and the next clean pull works. Unchecked, the flip goes through: the check is what
+    catches it."""
+    name, extra, peer, decode, dst = pair
+    config = msgspec.convert({**extra, "kv_checksum": checksum, "transport":
+                              f"tests.support.faults:Corrupting{CORRUPTING[name]}Transport"},
+                             ConnectorConfig)
+    got = kv_caches(None)
+    corrupting, _ = open_transport(config, got, is_producer=False)
+    try:
+        remote, local, prompt = [2, 3, 9], [4, 5, 6], prompt_for(3)
+        token = peer.offer("bad", remote, prompt)
+        fetch = fetch_of(peer, "bad", token, remote, local, prompt)
+        if checksum:
+            where = "LMCache chunk" if name == "lmcache" else f"handoff bad from prefill " \
+                                                               f"127.0.0.1:{peer.port}"
+            with pytest.raises(ChecksumMismatch, match=f"checksum mismatch .*{where}"):
+                corrupting.fetch(fetch, TIMEOUT_S)
+        else:
+            corrupting.fetch(fetch, TIMEOUT_S)
+            src = kv_caches(SEED)
+            differ = sum(int(torch.count_nonzero(got[k][local].view(torch.uint8)
+                                                 != src[k][remote].view(torch.uint8)))
+                         for k in src)
+            # one flipped byte per pull (lmcache: per chunk GET)
+            assert differ == (len(corrupting.chunks(prompt)) if name == "lmcache" else 1)
+        assert "bad" in peer.released({"bad"})  # freed (pulled or stored), not leaked
+    finally:
+        corrupting.close()
+    prompt = prompt_for(2)
+    token = peer.offer("good", [7, 8], prompt)
+    decode.fetch(fetch_of(peer, "good", token, [7, 8], [0, 1], prompt), TIMEOUT_S)
+    assert_moved(dst, [7, 8], [0, 1])

@@ -297,8 +297,7 @@ class LMCacheTransport:
         """GET a chunk into ``parts`` (waiting for it until the deadline), then check its
         checksum against the pages as they landed."""
         trailer = memoryview(bytearray(TRAILER_BYTES))
-        while not client.get_into(chunk.key, [*parts, trailer], deadline):
-            time.sleep(min(POLL_S, deadline.left()))
+        self._receive(client, chunk, [*parts, trailer], deadline)
         try:
             stored = unpack_trailer(trailer)
         except ValueError as exc:
@@ -310,6 +309,11 @@ class LMCacheTransport:
                 f"KV checksum mismatch in LMCache chunk {chunk.index} "
                 f"({chunk.key.to_string()}) from {client.url}: xxh3_64 {stored.hex()} stored, "
                 f"{landed.hex()} received; the load fails")
+
+    def _receive(self, client: LMCacheClient, chunk: Chunk, parts: list[memoryview],
+                 deadline: Deadline) -> None:
+        while not client.get_into(chunk.key, parts, deadline):
+            time.sleep(min(POLL_S, deadline.left()))
 
     def _scatter_views(self, blocks: range, dst: dict[int, int]) -> list[memoryview]:
         """Where each page of a chunk goes (layer-major): its decode block, or a page of its
