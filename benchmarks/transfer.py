@@ -13,6 +13,11 @@ Baselines, same bytes, same run:
 - lmcache-wire: the same chunks fetched with bare LMCache protocol GETs into one buffer
   (what LMCache's own LMCServerConnector does, minus its allocator), without our layer.
 
+And the cost of KV checksums (``kv_checksum``, integrity.py): every pull is timed twice per
+round, alternately, by two decode transports on the same prefill, one verifying (the default)
+and one not; the ``checksum`` column is the median with over the median without, minus one.
+For lmcache it is decode's verification only (prefill hashed the chunks when it stored them).
+
     .venv/bin/python benchmarks/transfer.py [--transports tcp,nccl,mooncake,lmcache]
         [--repeats 5] [--max-mib 64]
 """
@@ -33,6 +38,7 @@ import msgspec
 import torch
 
 from kvdisagg.config import ConnectorConfig
+from kvdisagg.integrity import TRAILER_BYTES
 from kvdisagg.protocol import recv_into_exact
 from kvdisagg.testing.servers import LMCacheServer
 from kvdisagg.transport import Fetch
@@ -74,9 +80,14 @@ class Bench:
         config = msgspec.convert({**extra, "transport": name}, ConnectorConfig)
         self.dst = kv_caches(None, num_blocks, LAYERS, BLOCK_SHAPE)
         self.decode, _ = open_transport(config, self.dst, is_producer=False)
+        unchecked = msgspec.convert({**extra, "transport": name, "kv_checksum": False},
+                                    ConnectorConfig)
+        self.unchecked, _ = open_transport(unchecked, kv_caches(None, num_blocks, LAYERS,
+                                                                BLOCK_SHAPE), is_producer=False)
         self.n = 0
 
-    def fetch_once(self, remote: list[int], local: list[int]) -> tuple[Fetch, Callable]:
+    def fetch_once(self, remote: list[int], local: list[int], checked: bool = True
+                   ) -> tuple[Fetch, Callable]:
         """Offer a fresh handoff; return its Fetch and the timed call."""
         self.n += 1
         hid = f"{self.name}-{self.n}"
@@ -86,11 +97,20 @@ class Bench:
             self.peer.released({hid}, within_s=120)
         fetch = Fetch(hid, token, "127.0.0.1", self.peer.port, KV_LAYOUT, tuple(remote),
                       tuple(local), tuple(prompt))
-        return fetch, lambda: self.decode.fetch(fetch, 120)
+        decode = self.decode if checked else self.unchecked
+        return fetch, lambda: decode.fetch(fetch, 120)
 
-    def time_ours(self, remote: list[int], local: list[int], repeats: int) -> float:
-        calls = [self.fetch_once(remote, local)[1] for _ in range(repeats + 1)]
-        return median_s(lambda k: calls[k](), repeats)
+    def time_ours(self, remote: list[int], local: list[int], repeats: int
+                  ) -> tuple[float, float]:
+        """Median seconds of a pull with checksums and without, rounds alternating."""
+        calls = [self.fetch_once(remote, local, checked)[1]
+                 for _ in range(repeats + 1) for checked in (True, False)]
+        times = []
+        for call in calls:
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[2::2]), statistics.median(times[3::2])
 
     def time_engine(self, remote: list[int], local: list[int], repeats: int) -> float | None:
         """The engine we drive, called directly on the same ranges (no side channel)."""
@@ -122,7 +142,7 @@ class Bench:
 
             client = LMCacheClient(self.decode.config.lmcache_url)
             chunks = self.decode.chunks(fetch.prompt_token_ids)
-            nbytes = [c.num_blocks * PAGE * LAYERS for c in chunks]
+            nbytes = [c.num_blocks * PAGE * LAYERS + TRAILER_BYTES for c in chunks]
             sink = memoryview(bytearray(max(nbytes)))
 
             def get(_k: int) -> None:
@@ -135,6 +155,7 @@ class Bench:
 
     def close(self) -> None:
         self.decode.close()
+        self.unchecked.close()
         self.peer.close()
 
 
@@ -159,8 +180,8 @@ def main() -> None:
         raw.sendall(nbytes.to_bytes(8, "big"))
         recv_into_exact(raw, sink[:nbytes])
 
-    print(f"{'transport':>9} {'size':>8} {'GB/s':>6} {'raw GB/s':>8} {'vs raw':>6} "
-          f"{'engine GB/s':>11} {'vs engine':>9}", flush=True)
+    print(f"{'transport':>9} {'size':>8} {'GB/s':>6} {'unchecked':>9} {'checksum':>8} "
+          f"{'raw GB/s':>8} {'vs raw':>6} {'engine GB/s':>11} {'vs engine':>9}", flush=True)
     with ExitStack() as stack:
         lmcache = stack.enter_context(LMCacheServer())
         for name in args.transports.split(","):
@@ -176,10 +197,11 @@ def main() -> None:
                     nbytes = nblocks * PAGE * LAYERS
                     remote = [2 * i for i in range(nblocks)]  # scattered on prefill
                     local = list(range(nblocks))  # fresh, contiguous on decode
-                    ours = bench.time_ours(remote, local, args.repeats)
+                    ours, unchecked = bench.time_ours(remote, local, args.repeats)
                     base = median_s(lambda _k: raw_copy(nbytes), args.repeats)
                     engine = bench.time_engine(remote, local, args.repeats)
                     line = (f"{name:>9} {_fmt(nbytes):>8} {nbytes / ours / 1e9:>6.2f} "
+                            f"{nbytes / unchecked / 1e9:>9.2f} {ours / unchecked - 1:>+8.0%} "
                             f"{nbytes / base / 1e9:>8.2f} {base / ours:>6.2f}")
                     if engine is not None:
                         line += f" {nbytes / engine / 1e9:>11.2f} {engine / ours:>9.2f}"

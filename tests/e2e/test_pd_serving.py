@@ -38,7 +38,8 @@ def test_completion_token_identical(fleet, n_tokens):
 
 def test_decode_used_transferred_kv(fleet):
     """Decode pulled every block of the prompt from prefill (the connector's own counters);
-    the corruption test below shows its output depends on those bytes."""
+    its output depends on those bytes: the conformance suite's unchecked case shows a flipped
+    byte lands in decode's blocks, and the corruption test below that the check stops it."""
     n = 300
     d = fleet.decode.base_url
     blocks_before = metric(d, "vllm:kvdisagg_pulled_blocks_total")
@@ -52,22 +53,49 @@ def test_decode_used_transferred_kv(fleet):
     assert metric(d, "vllm:kvdisagg_pulled_blocks_total") - blocks_before == blocks(n)
 
 
-def test_corrupted_transfer_changes_output(fleet):
-    """The same handoff read by a decode whose transport scrambles the bytes: output differs,
-    so the identity tests above can fail."""
+def wait_metric_change(url: str, name: str, before: float, within_s: float = 10,
+                       **labels: str) -> float:
+    """The metric's value once it moved from ``before`` (vLLM publishes engine stats on an
+    interval), or as it is after ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while (value := metric(url, name, **labels)) == before and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return value
+
+
+def test_corrupted_transfer_fails_cleanly(fleet):
+    """A decode whose transport flips one byte of what lands (tests.support.faults): the
+    checksum catches it, the load fails (vLLM's default kv_load_failure_policy, fail: an HTTP
+    error, never wrong tokens with 200) and is counted, prefill frees the handoff, and no
+    corrupted block reaches decode's prefix cache (the prompt alone then answers right)."""
+    c = fleet.corrupt.base_url
+    failures = metric(c, "vllm:kvdisagg_checksum_failures_total")
+    pull_failures = metric(c, "vllm:kvdisagg_pull_failures_total")
     prompt = prompt_ids(300, seed=99)
     ref = reference(fleet, prompt)
-    status, p = post(fleet.prefill.base_url + "/v1/completions",
-                     {**GEN, "prompt": prompt, "max_tokens": 1,
-                      "kv_transfer_params": {"do_remote_decode": True}})
-    assert status == 200
-    corrupted = completion(fleet.corrupt.base_url, prompt,
-                           kv_transfer_params=p["kv_transfer_params"])
-    assert corrupted != ref
-    # The instance itself computes correctly (another prompt: the corrupted blocks of this one
-    # now sit in its prefix cache, which is exactly why a transport must not corrupt).
-    other = prompt_ids(300, seed=98)
-    assert completion(fleet.corrupt.base_url, other) == reference(fleet, other)
+    params = _handoff(fleet, prompt)
+    status, body = post(c + "/v1/completions",
+                        {**GEN, "prompt": prompt, "kv_transfer_params": params}, timeout=120)
+    assert status >= 400 and "error" in str(body).lower(), (status, body)
+    assert wait_metric_change(c, "vllm:kvdisagg_checksum_failures_total", failures) \
+        == failures + 1
+    assert metric(c, "vllm:kvdisagg_pull_failures_total") == pull_failures + 1
+    offered, freed = wait_handoffs_freed(fleet.prefill.base_url)
+    assert offered == freed
+    assert completion(c, prompt) == ref
+
+
+def test_a_prompt_computed_despite_a_handoff_is_counted(fleet):
+    """Prompt logprobs forbid reading cached KV: decode releases the handoff and computes the
+    prompt itself, which vllm:kvdisagg_recomputed_prompts_total{reason="not_read"} shows."""
+    d = fleet.decode.base_url
+    name, reason = "vllm:kvdisagg_recomputed_prompts_total", {"reason": "not_read"}
+    before = metric(d, name, **reason)
+    prompt = prompt_ids(200, seed=31)
+    status, body = post(d + "/v1/completions", {**GEN, "prompt": prompt, "prompt_logprobs": 1,
+                                                "kv_transfer_params": _handoff(fleet, prompt)})
+    assert status == 200, body
+    assert wait_metric_change(d, name, before, **reason) == before + 1
 
 
 def test_chat_streaming_and_not(fleet):
