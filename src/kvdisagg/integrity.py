@@ -55,8 +55,7 @@ def wsum64(tensors: Iterable[Any]) -> bytes:
     16 bytes. A tail shorter than a word (a stream of odd length) counts as bytes."""
     import torch
 
-    s1: Any = 0
-    s2: Any = 0
+    sums: dict[Any, list[Any]] = {}  # device -> [s1, s2]: one sync per device at the end
     offset = 0  # position of the next word in the stream
     tail = b""
     for tensor in tensors:
@@ -71,13 +70,16 @@ def wsum64(tensors: Iterable[Any]) -> bytes:
         words = raw.view(torch.int64)
         n = words.numel()
         index = torch.arange(offset + 1, offset + n + 1, dtype=torch.int64, device=words.device)
-        s1 = s1 + words.sum()
-        s2 = s2 + (words * index).sum()  # int64 arithmetic wraps: mod 2**64
+        acc = sums.setdefault(words.device, [0, 0])
+        acc[0] = acc[0] + words.sum()
+        acc[1] = acc[1] + (words * index).sum()  # int64 arithmetic wraps: mod 2**64
         offset += n
+    s1 = sum(int(a) for a, _ in sums.values())
+    s2 = sum(int(b) for _, b in sums.values())
     for k, byte in enumerate(tail):
         s1, s2 = s1 + byte, s2 + byte * (offset + k + 1)
     mask = (1 << 64) - 1
-    return struct.pack(">QQ", int(s1) & mask, int(s2) & mask)
+    return struct.pack(">QQ", s1 & mask, s2 & mask)
 
 
 class Digester:
@@ -118,8 +120,34 @@ class Digester:
                                  "not in this worker's KV memory")
 
     def _tensors(self, runs: Sequence[CopyRun], side: str) -> Iterable[Any]:
-        for run in runs:
-            yield self.regions[run.layer].rows(run.src if side == "src" else run.dst, run.count)
+        """The runs' rows in stream order, consecutive runs of one layer's pages (or arena)
+        gathered into one tensor: a few reductions per layer, not per run (on a GPU, a
+        thousand scattered runs would be a thousand kernel launches each)."""
+        import torch
+
+        group: list[int] = []  # block ids of the open group, in stream order
+        key: tuple[int, bool] | None = None  # (layer, in the arena)
+        for run in (*runs, None):
+            if run is not None:
+                first = run.src if side == "src" else run.dst
+                region = self.regions[run.layer]
+                staged = first >= region.num_blocks
+                if (run.layer, staged) == key:
+                    group.extend(range(first, first + run.count))
+                    continue
+            if key is not None:
+                layer, in_arena = key
+                open_region = self.regions[layer]
+                base = open_region.num_blocks if in_arena else 0
+                rows = open_region.stage if in_arena else open_region.pages
+                if group == list(range(group[0], group[0] + len(group))):
+                    yield open_region.rows(group[0], len(group))  # one range: no gather
+                else:
+                    ids = torch.tensor([b - base for b in group], device=rows.device)
+                    yield rows.index_select(0, ids)
+            if run is None:
+                return
+            key, group = (run.layer, staged), list(range(first, first + run.count))
 
 
 def _host_bytes(tensor: Any) -> memoryview:

@@ -69,9 +69,11 @@ def test_both_sides_agree_across_layouts_and_the_arena(algorithm):
     assert prefill.native is decode.native is Algorithm.XXH3_64
     sent = prefill.digest(runs, "src", algorithm)
     assert decode.digest(runs, "dst", algorithm) == sent
-    if algorithm is Algorithm.XXH3_64:  # the stream itself, in CopyRun order
-        assert sent == digest_views(bytes(src[r.layer].rows(r.src, r.count).numpy())
-                                    for r in runs)
+    stream = [src[r.layer].rows(r.src, r.count) for r in runs]  # the bytes, in CopyRun order
+    if algorithm is Algorithm.XXH3_64:
+        assert sent == digest_views(bytes(t.numpy()) for t in stream)
+    else:  # gathered per layer (prefill's scattered blocks), the same stream
+        assert sent == wsum64(stream)
     dst[1].pages[12].view(-1)[100] ^= 1  # one byte of a staged block's copy, layer 1
     assert decode.digest(runs, "dst", algorithm) != sent
     dst[1].pages[12].view(-1)[100] ^= 1
