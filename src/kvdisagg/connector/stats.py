@@ -35,7 +35,7 @@ PHASES = {  # the handoff timeline on an instance (docs/operations.md, "Handoff 
     "queue": "decode: a planned pull waiting for a pull thread",
     "connect": "decode: opening a side-channel connection and its Hello (0 when reused)",
     "read": "decode: Read sent until prefill granted it",
-    "transfer": "decode: the KV bytes moving",
+    "transfer": "decode: the KV bytes moving, then their checksum verified",
     "done": "decode: Done sent (prefill may free the KV)",
     "load": "decode scheduler: a load planned until the engine saw it finished",
     "stage": "prefill: copying a finished handoff into the staging arena",
