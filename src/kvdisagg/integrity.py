@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import enum
 import struct
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import xxhash
 

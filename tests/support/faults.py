@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import importlib
 import socket
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kvdisagg.layout import CopyRun, LayerRegion, run_tensor
 from kvdisagg.transport.pull import Deadline

@@ -3,6 +3,7 @@ their layouts, and any change of a byte shows."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import msgspec
@@ -10,8 +11,15 @@ import pytest
 import torch
 import xxhash
 
-from kvdisagg.integrity import (TRAILER_BYTES, Algorithm, Digester, digest_views, pack_trailer,
-                                unpack_trailer, wsum64)
+from kvdisagg.integrity import (
+    TRAILER_BYTES,
+    Algorithm,
+    Digester,
+    digest_views,
+    pack_trailer,
+    unpack_trailer,
+    wsum64,
+)
 from kvdisagg.layout import copy_runs, layer_regions, stage_into, with_arena
 from kvdisagg.protocol import PROTOCOL_VERSION, Checksum, Done, Read, encode_frame
 from tests.support.transport_peer import kv_caches
@@ -21,7 +29,7 @@ def cuts(data: bytes, rng: random.Random) -> list[memoryview]:
     """``data`` cut at random places (empty pieces included)."""
     points = sorted(rng.randrange(len(data) + 1) for _ in range(6))
     bounds = [0, *points, len(data)]
-    return [memoryview(data)[a:b] for a, b in zip(bounds, bounds[1:])]
+    return [memoryview(data)[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 def test_digest_views_is_xxh3_of_the_stream_however_it_is_cut():
