@@ -51,6 +51,10 @@ class ClientBody(NamedTuple):
     local_reason: str | None = None
     """Set when only decode can serve this form well: prompt logprobs make vLLM recompute the
     prompt whatever KV it was given, beam search runs step by step in vLLM's server."""
+    forwarded_ids: list[int] | None = None
+    """A chat request whose prompt the proxy already knows as token ids (a migrated stream's
+    continuation): vLLM's ``kv_transfer_params.prompt_token_ids``, so its chat template is not
+    applied again."""
 
     @property
     def token_ids(self) -> list[int] | None:
@@ -165,20 +169,30 @@ def prefill_body(body: ClientBody, trace: str = "") -> bytes:
     params = PREFILL_KV_PARAMS
     if body.slo is not None:
         params = {**params, SLO_PARAMS_KEY: body.slo}
+    if body.forwarded_ids is not None:
+        params = {**params, "prompt_token_ids": body.forwarded_ids}
     if trace:
         params = {**params, TRACE_PARAMS_KEY: trace}
     out["kv_transfer_params"] = params
     return _encode(out)
 
 
-def decode_body(body: ClientBody, kv_params: bytes | None, trace: str = "") -> bytes:
+def decode_body(body: ClientBody, kv_params: bytes | None, trace: str = "",
+                token_ids: bool = False) -> bytes:
     """The client's bytes plus ``kv_transfer_params`` (``None``: decode-only, bytes as sent);
-    ``trace``: the decode leg's traceparent, inserted into prefill's params."""
+    ``trace``: the decode leg's traceparent, inserted into prefill's params; ``token_ids``:
+    ask for ``return_token_ids`` (a stream the proxy may migrate)."""
+    raw = body.raw
+    if token_ids and "return_token_ids" not in body.fields:
+        raw = _insert(raw, b'"return_token_ids":true')
+    if body.forwarded_ids is not None:
+        ids = b'"prompt_token_ids":' + _encode(body.forwarded_ids)
+        kv_params = _insert(kv_params, ids) if kv_params is not None else b"{%s}" % ids
     if kv_params is None:
-        return body.raw
+        return raw
     if trace:
         kv_params = _insert(kv_params, b'"%s":"%s"' % (TRACE_PARAMS_KEY.encode(), trace.encode()))
-    return _insert(body.raw, b'"kv_transfer_params":' + kv_params)
+    return _insert(raw, b'"kv_transfer_params":' + kv_params)
 
 
 def _insert(raw: bytes, member: bytes) -> bytes:

@@ -101,6 +101,10 @@ class RetryConfig(_Base):
     """Total decode tries before the first byte reaches the client."""
     decode_only_fallback: bool = True
     """No usable prefill: let decode recompute the prompt."""
+    migrations: Annotated[int, msgspec.Meta(ge=0, le=100)] = 2
+    """Mid-stream decode failures one streamed request survives: each moves it to another
+    decode (or the same once healthy) with the tokens already delivered (migrate.py); 0: off
+    (the stream ends with an error event)."""
 
 
 class TimeoutConfig(_Base):

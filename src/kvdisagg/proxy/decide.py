@@ -84,10 +84,14 @@ class Decider:
         headroom = 1.0 - SloAware.predict_tpot(decode) / self.cfg.slo.tpot_s
         return int(base * min(1.0, max(0.0, headroom)))
 
-    def decide(self, body: ClientBody, token_ids: Sequence[int] | None = None) -> Decision:
+    def decide(self, body: ClientBody, token_ids: Sequence[int] | None = None,
+               avoid: tuple[Instance, ...] = ()) -> Decision:
+        """``avoid``: decode instances to choose only when no other is routable."""
         hits = (self.cache.cached_tokens(token_ids)
                 if self.cache is not None and token_ids is not None else {})
-        sel = self.choose_decode(body, self.registry.candidates(Side.DECODE), hits)
+        cands = (self.registry.candidates(Side.DECODE, avoid)
+                 or self.registry.candidates(Side.DECODE))
+        sel = self.choose_decode(body, cands, hits)
         prompt = len(token_ids) if token_ids is not None else body.route.prompt_tokens
         decode = sel.instance
         if not isinstance(decode, Instance):  # none routable: the decode stage says so

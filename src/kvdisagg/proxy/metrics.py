@@ -66,6 +66,7 @@ class Metrics:
         self.errors: dict[tuple[str, str, str], int] = {}
         self.missing_kv: dict[str, int] = {}
         self.routes: dict[tuple[str, str], int] = {}
+        self.migrations: dict[str, int] = {}
         self.rejections: dict[str, int] = {}
         self.discovery_errors: dict[tuple[str, str], int] = {}
         self.ttft = Histogram(P + "ttft_seconds", "Time to first token (streaming).",
@@ -100,6 +101,11 @@ class Metrics:
         decode alone (``decode_only``), and why."""
         k = (route, reason)
         self.routes[k] = self.routes.get(k, 0) + 1
+
+    def migration(self, outcome: str) -> None:
+        """A stream whose decode failed mid-way: moved (``ok``), or not (``failed``,
+        ``exhausted``: retry.migrations used up, ``impossible``: nothing to resume from)."""
+        self.migrations[outcome] = self.migrations.get(outcome, 0) + 1
 
     def rejected(self, reason: str) -> None:
         self.rejections[reason] = self.rejections.get(reason, 0) + 1
@@ -178,6 +184,10 @@ class Metrics:
             f"alone (route=decode_only), by reason.\n# TYPE {P}routed_total counter\n")
         for (route, reason), n in sorted(self.routes.items()):
             add(f"{P}routed_total{_labels(route=route, reason=reason)} {n}\n")
+        add(f"# HELP {P}migrations_total Streams whose decode failed mid-way, by outcome "
+            f"(ok: moved to another decode).\n# TYPE {P}migrations_total counter\n")
+        for outcome, n in sorted(self.migrations.items()):
+            add(f"{P}migrations_total{_labels(outcome=outcome)} {n}\n")
         add(f"# HELP {P}rejected_total Requests turned away before any leg, with Retry-After.\n"
             f"# TYPE {P}rejected_total counter\n")
         for reason, n in sorted(self.rejections.items()):

@@ -30,7 +30,7 @@ from kvdisagg.proxy.errors import error_response
 from kvdisagg.proxy.metrics import Metrics
 from kvdisagg.proxy.policies import Policy
 from kvdisagg.proxy.prefill import Prefilled, prefill
-from kvdisagg.proxy.registry import Registry
+from kvdisagg.proxy.registry import Instance, Registry
 from kvdisagg.tracing import Tracer, end, traceparent_of, valid_traceparent
 
 _RID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -157,9 +157,11 @@ class Serving:
             return await relay_stream(self, request, ctx, opened)
         return finish_body(self, ctx, opened)
 
-    async def open(self, ctx: RequestCtx) -> Opened | web.Response:
-        """Decide, prefill if disaggregated, and open a decode leg that answered."""
-        decision = self.decider.decide(ctx.body, ctx.body.token_ids)
+    async def open(self, ctx: RequestCtx, avoid: tuple[Instance, ...] = ()
+                   ) -> Opened | web.Response:
+        """Decide, prefill if disaggregated, and open a decode leg that answered. ``avoid``:
+        decode instances to use only when no other is left (a migrated stream's)."""
+        decision = self.decider.decide(ctx.body, ctx.body.token_ids, avoid)
         if ctx.root is not None:
             ctx.root.set_attributes({"kvdisagg.route": decision.route.value,
                                      "kvdisagg.reason": decision.reason,
@@ -173,4 +175,4 @@ class Serving:
             pre = Prefilled(None, decision.reason)
         self.metrics.routed("pd" if pre.kv is not None else "decode_only",
                             decision.reason if pre.kv is not None else pre.local_reason)
-        return await open_decode(self, ctx, pre, decision.decode)
+        return await open_decode(self, ctx, pre, decision.decode, avoid)

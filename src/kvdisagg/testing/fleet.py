@@ -37,18 +37,23 @@ class Fleet:
                  prefill_args: Sequence[str] = (), decode_args: Sequence[str] = (),
                  reference_args: Sequence[str] = (), proxy_args: Sequence[str] = (),
                  binds: dict[str, str | None] | None = None,
-                 env: dict[str, str] | None = None, always_disaggregate: bool = True) -> None:
+                 env: dict[str, str] | None = None, always_disaggregate: bool = True,
+                 prefills: int = 1) -> None:
         """``always_disaggregate``: the proxy sends every request through prefill (what tests
-        of the handoff want); False: the proxy decides per request, as it does by default."""
+        of the handoff want); False: the proxy decides per request, as it does by default.
+        ``prefills``: how many prefill instances (``self.prefills``; ``self.prefill`` is the
+        first), all with the same arguments and binding."""
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = log_dir
         bind = {"prefill": "0", "decode": "1", "reference": "nobind", **(binds or {})}
-        self.prefill = VllmServer(model, log_path=log_dir / "prefill.log",
-                                  omp_threads_bind=bind["prefill"],
-                                  extra_args=[*kv_transfer_args("kv_producer", prefill_extra,
-                                                                prefill_failure_policy),
-                                              *prefill_args],
-                                  env=env)
+        self.prefills = [
+            VllmServer(model, log_path=log_dir / (f"prefill{i}.log" if i else "prefill.log"),
+                       omp_threads_bind=bind["prefill"],
+                       extra_args=[*kv_transfer_args("kv_producer", prefill_extra,
+                                                     prefill_failure_policy), *prefill_args],
+                       env=env)
+            for i in range(prefills)]
+        self.prefill = self.prefills[0]
         self.decode = VllmServer(model, log_path=log_dir / "decode.log",
                                  omp_threads_bind=bind["decode"], env=env,
                                  extra_args=[*kv_transfer_args("kv_consumer", decode_extra,
@@ -64,7 +69,7 @@ class Fleet:
 
     @property
     def servers(self) -> list[VllmServer]:
-        return [s for s in (self.prefill, self.decode, self.reference) if s is not None]
+        return [s for s in (*self.prefills, self.decode, self.reference) if s is not None]
 
     @property
     def proxy_url(self) -> str:
@@ -75,7 +80,8 @@ class Fleet:
             server.start()
         log = open(self.log_dir / "proxy.log", "wb")
         self.proxy = subprocess.Popen(
-            [sys.executable, "-m", "kvdisagg.cli", "proxy", "--prefill", self.prefill.base_url,
+            [sys.executable, "-m", "kvdisagg.cli", "proxy",
+             "--prefill", *(p.base_url for p in self.prefills),
              "--decode", self.decode.base_url, "--host", "127.0.0.1",
              "--port", str(self.proxy_port), *self.proxy_args],
             stdout=log, stderr=subprocess.STDOUT)
