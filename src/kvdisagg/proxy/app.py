@@ -1,8 +1,9 @@
 """The aiohttp application: endpoints, wiring, and the staged shutdown.
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``serving.py``), ``GET /v1/models``, ``GET /health`` (liveness), ``GET /readiness`` (can it
-route a request now), ``GET /metrics`` (Prometheus), and the routes of ``passthrough.py``
-(``/v1/models``, ``/tokenize``, ``/v1/responses``...: served by a decode instance as is). The admin API (``admin.py``) is an
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``serving.py``),
+``GET /health`` (liveness), ``GET /readiness`` (can it route a request now), ``GET /metrics``
+(Prometheus), and the routes of ``passthrough.py`` (``/v1/models``, ``/tokenize``,
+``/v1/responses``...: served by a decode instance as is). The admin API (``admin.py``) is an
 application of its own (``app[ADMIN]``), served on its own listener when ``admin.port`` is set.
 """
 

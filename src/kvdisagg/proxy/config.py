@@ -198,7 +198,8 @@ class DiscoveryConfig(_Base):
 
 
 ADMIN_KEY_ENV = "KVDISAGG_ADMIN_KEY"
-_NAME = re.compile(r"(\*\.)?[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*")
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?"
+_NAME = re.compile(rf"(\*\.)?{_LABEL}(\.{_LABEL})*")  # a host name, or *.suffix
 
 
 class AdminConfig(_Base):
