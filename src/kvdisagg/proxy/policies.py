@@ -3,8 +3,8 @@
 A policy only selects. It does no I/O and never blocks; what it reads (in-flight counts, vLLM
 queue gauges scraped by the registry, live latency estimates) is kept current by
 ``registry.py`` and the stages of ``serving.py``. Prefill and decode each get their own
-policy instance, so ``--prefill-policy prefix_aware --decode-policy least_loaded`` works. A new policy is a small
-class with ``name`` and ``select``, added to ``POLICIES``.
+policy instance, so ``--prefill-policy prefix_aware --decode-policy least_loaded`` works. A new
+policy is a small class with ``name`` and ``select``, added to ``POLICIES``.
 
 Each policy's doc says: why choose it / what it does / inputs / configuration.
 """
