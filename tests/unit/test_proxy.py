@@ -10,13 +10,23 @@ from typing import Any, AsyncIterator
 
 import msgspec
 import pytest
-from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from kvdisagg.proxy import make_app
 from kvdisagg.proxy.app import ADMIN, REGISTRY
-from kvdisagg.proxy.config import (AdminConfig, BreakerConfig, DecisionConfig, HealthConfig, InstanceSpec, PolicyConfig,
-                                   ProxyConfig, RetryConfig, Role, SloConfig, TimeoutConfig)
+from kvdisagg.proxy.config import (
+    AdminConfig,
+    BreakerConfig,
+    DecisionConfig,
+    HealthConfig,
+    InstanceSpec,
+    PolicyConfig,
+    ProxyConfig,
+    RetryConfig,
+    SloConfig,
+    TimeoutConfig,
+)
+from kvdisagg.proxy.types import Role
 from kvdisagg.testing.servers import free_port
 from kvdisagg.tracing import TRACE_PARAMS_KEY, Tracer
 from tests.support.fake_vllm import FakeVllm

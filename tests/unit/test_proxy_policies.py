@@ -12,11 +12,23 @@ import pytest
 from kvdisagg.errors import ConfigError
 from kvdisagg.proxy import body as bodies
 from kvdisagg.proxy.breaker import BreakerState, CircuitBreaker
-from kvdisagg.proxy.config import (InstanceSpec, PolicyConfig, ProxyConfig, Role, SloConfig,
-                                   load_config_file)
-from kvdisagg.proxy.policies import (LeastLoaded, PrefixAware, RoundRobin, RouteRequest, Side,
-                                     SloAware, Verdict)
+from kvdisagg.proxy.config import (
+    InstanceSpec,
+    PolicyConfig,
+    ProxyConfig,
+    SloConfig,
+    load_config_file,
+)
+from kvdisagg.proxy.policies import (
+    LeastLoaded,
+    PrefixAware,
+    RoundRobin,
+    RouteRequest,
+    SloAware,
+    Verdict,
+)
 from kvdisagg.proxy.registry import Instance, parse_vllm_queue
+from kvdisagg.proxy.types import Role, Side
 
 
 @dataclass(eq=False)
@@ -213,7 +225,8 @@ def test_kv_params_extracted_raw() -> None:
 
 
 def test_config_validation_and_files(tmp_path) -> None:
-    with pytest.raises(ConfigError, match="policy.prefill: unknown policy 'fastest'"):
+    with pytest.raises(ConfigError, match=r"policy.prefill: Invalid enum value 'fastest'; "
+                       r"choose one of \['least_loaded', 'prefix_aware', 'round_robin'"):
         ProxyConfig(policy=PolicyConfig(prefill="fastest")).validate()
     with pytest.raises(ConfigError, match="listed twice"):
         ProxyConfig(instances=[InstanceSpec(url="http://a:1", role=Role.DECODE),

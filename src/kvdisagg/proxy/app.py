@@ -21,9 +21,10 @@ from kvdisagg.proxy import admin, passthrough
 from kvdisagg.proxy.config import ProxyConfig, TimeoutConfig, instances_from_urls
 from kvdisagg.proxy.discovery import Discovery
 from kvdisagg.proxy.metrics import Metrics
-from kvdisagg.proxy.policies import Side, make_policy
+from kvdisagg.proxy.policies import make_policy
 from kvdisagg.proxy.registry import Registry
 from kvdisagg.proxy.serving import Serving
+from kvdisagg.proxy.types import Side
 from kvdisagg.tracing import Tracer
 
 log = logging.getLogger("kvdisagg.proxy")

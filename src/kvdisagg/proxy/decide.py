@@ -27,8 +27,9 @@ from typing import NamedTuple, Protocol, Sequence
 
 from kvdisagg.proxy.body import ClientBody
 from kvdisagg.proxy.config import ProxyConfig
-from kvdisagg.proxy.policies import Policy, Selection, SloAware, Side, Verdict, load_score
+from kvdisagg.proxy.policies import Policy, Selection, SloAware, Verdict, load_score
 from kvdisagg.proxy.registry import Instance, Registry
+from kvdisagg.proxy.types import Side
 
 
 class Route(str, enum.Enum):

@@ -26,14 +26,21 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from aiohttp import web
 
 from kvdisagg.proxy import body as bodies
-from kvdisagg.proxy.config import Admission
 from kvdisagg.proxy.errors import error_event, error_response
-from kvdisagg.proxy.legs import (RETRYABLE_STATUS, FailKind, LegFailure, LegScope, kind_of,
-                                 outcome_of, status_outcome)
+from kvdisagg.proxy.legs import (
+    RETRYABLE_STATUS,
+    FailKind,
+    LegFailure,
+    LegScope,
+    kind_of,
+    outcome_of,
+    status_outcome,
+)
 from kvdisagg.proxy.migrate import Tap, continuation, wants_token_ids
-from kvdisagg.proxy.policies import Selection, Side, Verdict
+from kvdisagg.proxy.policies import Selection, Verdict
 from kvdisagg.proxy.prefill import Prefilled, prefill
 from kvdisagg.proxy.registry import Instance, Outcome
+from kvdisagg.proxy.types import Admission, Side
 from kvdisagg.proxy.upstream import Response, UpstreamError, UpstreamTimeout
 from kvdisagg.tracing import event, traceparent_of
 

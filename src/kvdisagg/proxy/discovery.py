@@ -28,21 +28,17 @@ import logging
 import ssl
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 from urllib.parse import urlsplit
 
 import msgspec
 
 from kvdisagg.errors import ConfigError
-from kvdisagg.proxy.config import (
-    DiscoveryConfig,
-    InstanceSpec,
-    KubernetesDiscovery,
-    Role,
-)
-
-if TYPE_CHECKING:
-    from kvdisagg.proxy.registry import Registry
+from kvdisagg.proxy.admin import add_instance, drain_instance
+from kvdisagg.proxy.config import DiscoveryConfig, InstanceSpec, KubernetesDiscovery
+from kvdisagg.proxy.registry import Registry
+from kvdisagg.proxy.targets import Target, parse_hostport, parse_target, url_for
+from kvdisagg.proxy.types import Role
 
 log = logging.getLogger("kvdisagg.proxy")
 
@@ -51,52 +47,6 @@ SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 class DiscoveryError(Exception):
     """A source could not be read; its last good answer stands."""
-
-
-# parsing
-class Target(NamedTuple):
-    """One configured DNS name: ``srv`` True for SRV records, else A/AAAA with ``port``."""
-
-    name: str
-    port: int | None
-    srv: bool
-
-
-def parse_hostport(text: str) -> tuple[str, int]:
-    """``host:port`` or ``[v6]:port``; ValueError says what is wrong."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host:
-        raise ValueError(f"{text!r} is not host:port")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:
-        raise ValueError(f"{text!r}: write an IPv6 address as [addr]:port")
-    try:
-        p = int(port)
-    except ValueError:
-        raise ValueError(f"{text!r}: port {port!r} is not a number") from None
-    if not 1 <= p <= 65535:
-        raise ValueError(f"{text!r}: port {p} is not in 1-65535")
-    return host, p
-
-
-def parse_target(text: str) -> Target:
-    """``host:port`` (A/AAAA) or ``srv:_service._proto.name`` (SRV)."""
-    if text.startswith("srv:"):
-        name = text[4:].strip()
-        if not name or ":" in name:
-            raise ValueError(f"{text!r}: SRV form is srv:_http._tcp.name (no port: "
-                             "SRV records carry it)")
-        return Target(name, None, True)
-    host, port = parse_hostport(text)
-    return Target(host, port, False)
-
-
-def url_for(host: str, port: int) -> str:
-    host = host.rstrip(".")
-    if ":" in host:  # IPv6 literal
-        host = f"[{host}]"
-    return f"http://{host}:{port}"
 
 
 def srv_urls(records: Iterable[tuple[str, int]]) -> list[str]:
@@ -617,8 +567,6 @@ class Discovery:
             log.warning("discovery: %s is listed as both prefill and decode; kept as %s",
                         u, want[u].value)
         p = plan(want, self.owned, self.registry.instances, self.drains)
-        from kvdisagg.proxy.admin import add_instance
-
         for url in p.undrain:
             self.drains.pop(url).cancel()
             self.registry.undrain(url)
@@ -637,8 +585,6 @@ class Discovery:
         return p
 
     async def _drain(self, url: str) -> None:
-        from kvdisagg.proxy.admin import drain_instance
-
         try:
             drained, _ = await drain_instance(self.registry, url, self.drain_timeout_s,
                                               remove=True, force=True)

@@ -14,8 +14,8 @@ from typing import Any, NamedTuple
 from aiohttp import web
 
 from kvdisagg.proxy.metrics import Metrics
-from kvdisagg.proxy.policies import Side
 from kvdisagg.proxy.registry import Instance, Outcome
+from kvdisagg.proxy.types import Side
 from kvdisagg.proxy.upstream import Abandoned, ConnectError, UpstreamError, UpstreamTimeout
 from kvdisagg.tracing import end
 

@@ -15,8 +15,8 @@ from collections import deque
 from typing import Iterable
 
 from kvdisagg.proxy.config import SloConfig
-from kvdisagg.proxy.policies import Side
 from kvdisagg.proxy.registry import Registry
+from kvdisagg.proxy.types import Side
 
 P = "kvdisagg_proxy_"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

@@ -23,12 +23,19 @@ from typing import TYPE_CHECKING, NamedTuple
 from aiohttp import web
 
 from kvdisagg.proxy import body as bodies
-from kvdisagg.proxy.config import Admission
 from kvdisagg.proxy.errors import error_body, error_response
-from kvdisagg.proxy.legs import (RETRYABLE_STATUS, FailKind, LegFailure, LegScope, kind_of,
-                                 outcome_of, status_outcome)
-from kvdisagg.proxy.policies import Side, Verdict
+from kvdisagg.proxy.legs import (
+    RETRYABLE_STATUS,
+    FailKind,
+    LegFailure,
+    LegScope,
+    kind_of,
+    outcome_of,
+    status_outcome,
+)
+from kvdisagg.proxy.policies import Verdict
 from kvdisagg.proxy.registry import Instance, Outcome
+from kvdisagg.proxy.types import Admission, Side
 from kvdisagg.proxy.upstream import UpstreamError
 from kvdisagg.tracing import traceparent_of
 

@@ -22,8 +22,8 @@ import time
 import msgspec
 
 from kvdisagg.proxy.breaker import BreakerState, CircuitBreaker
-from kvdisagg.proxy.config import InstanceSpec, ProxyConfig, Role
-from kvdisagg.proxy.policies import Side
+from kvdisagg.proxy.config import InstanceSpec, ProxyConfig
+from kvdisagg.proxy.types import Role, Side
 from kvdisagg.proxy.upstream import Pool, UpstreamError, UpstreamTimeout
 
 log = logging.getLogger("kvdisagg.proxy")
