@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from kvdisagg.errors import BodyError
 from kvdisagg.protocol import SLO_PARAMS_KEY, RequestSlo
 from kvdisagg.proxy.policies import RouteRequest
 from kvdisagg.tracing import TRACE_PARAMS_KEY
@@ -32,10 +33,6 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
     "remote_host": None,
     "remote_port": None,
 }
-
-
-class BodyError(ValueError):
-    pass
 
 
 class ClientBody(NamedTuple):

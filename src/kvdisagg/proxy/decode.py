@@ -23,8 +23,10 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import msgspec
 from aiohttp import web
 
+from kvdisagg.errors import UpstreamError, UpstreamTimeout
 from kvdisagg.proxy import body as bodies
 from kvdisagg.proxy.errors import error_event, error_response
 from kvdisagg.proxy.legs import (
@@ -41,7 +43,7 @@ from kvdisagg.proxy.policies import Selection, Verdict
 from kvdisagg.proxy.prefill import Prefilled, prefill
 from kvdisagg.proxy.registry import Instance, Outcome
 from kvdisagg.proxy.types import Admission, Side
-from kvdisagg.proxy.upstream import Response, UpstreamError, UpstreamTimeout
+from kvdisagg.proxy.upstream import Response
 from kvdisagg.tracing import event, traceparent_of
 
 if TYPE_CHECKING:
@@ -49,7 +51,31 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvdisagg.proxy")
 _now = time.perf_counter  # uvloop's loop.time() has 1 ms resolution: too coarse for TPOT
-ERROR_EVENT = b'data: {"error"'  # vLLM's streamed error, e.g. after a failed KV load
+
+
+class _Event(msgspec.Struct):
+    error: msgspec.Raw = msgspec.Raw(b"null")  # Raw cannot sit in a union
+
+
+_event = msgspec.json.Decoder(_Event).decode
+
+
+def error_of(payload: bytes) -> bytes | None:
+    """The ``error`` of one SSE event's JSON (vLLM's streamed error, e.g. after a failed KV
+    load), or None for any other event."""
+    try:
+        err = bytes(_event(payload).error)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return None if err == b"null" else err
+
+
+def first_error(chunk: bytes) -> bytes | None:
+    """The error the first event of ``chunk`` carries, if it is one."""
+    if not chunk.startswith(b"data: "):
+        return None
+    end = chunk.find(b"\n\n")
+    return error_of(chunk[6:end if end >= 0 else len(chunk)])
 _CLIENT_HIGH_WATER = 1 << 20  # client write buffer that pauses reading the decode stream
 
 
@@ -176,7 +202,7 @@ async def _attempt(s: Serving, ctx: RequestCtx, inst: Instance, pre: Prefilled,
             head: bytes | None = await resp.read(max(0.001, deadline - _now()))
         else:
             head = await resp.next_chunk(max(0.001, deadline - _now()))
-            if head is not None and head.startswith(ERROR_EVENT):
+            if head is not None and (error := first_error(head)) is not None:
                 resp.close()
                 # After a handoff the KV source may be at fault (a dead prefill): counted,
                 # but not against this decode's breaker.
@@ -184,7 +210,7 @@ async def _attempt(s: Serving, ctx: RequestCtx, inst: Instance, pre: Prefilled,
                          Outcome.BROKEN if pre.kv is None else Outcome.NEUTRAL)
                 return _Failed(LegFailure(
                     FailKind.ERROR_EVENT, f"decode {inst.url} answered with an error event: "
-                    f"{head[6:300].decode('utf-8', 'replace').strip()}", 502), True, True)
+                    f"{error[:300].decode('utf-8', 'replace')}", 502), True, True)
     except UpstreamError as exc:
         leg.fail(kind_of(exc), outcome_of(exc))
         return _Failed(LegFailure.of(exc, f"decode {inst.url} failed before the first "

@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from kvdisagg.errors import ConfigError
+from kvdisagg.errors import ConfigError, DiscoveryError
 from kvdisagg.proxy.admin import add_instance, drain_instance
 from kvdisagg.proxy.config import DiscoveryConfig, InstanceSpec, KubernetesDiscovery
 from kvdisagg.proxy.registry import Registry
@@ -43,10 +43,6 @@ from kvdisagg.proxy.types import Role
 log = logging.getLogger("kvdisagg.proxy")
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
-
-
-class DiscoveryError(Exception):
-    """A source could not be read; its last good answer stands."""
 
 
 def srv_urls(records: Iterable[tuple[str, int]]) -> list[str]:

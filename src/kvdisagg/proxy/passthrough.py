@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from kvdisagg.errors import UpstreamError
 from kvdisagg.proxy.errors import error_event, error_response
 from kvdisagg.proxy.legs import LegFailure, LegScope, kind_of, outcome_of
 from kvdisagg.proxy.policies import RouteRequest
 from kvdisagg.proxy.registry import Instance, Outcome
 from kvdisagg.proxy.types import Side
-from kvdisagg.proxy.upstream import UpstreamError
 
 if TYPE_CHECKING:
     from kvdisagg.proxy.serving import Serving

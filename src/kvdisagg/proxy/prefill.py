@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from aiohttp import web
 
+from kvdisagg.errors import UpstreamError
 from kvdisagg.proxy import body as bodies
 from kvdisagg.proxy.errors import error_body, error_response
 from kvdisagg.proxy.legs import (
@@ -36,7 +37,6 @@ from kvdisagg.proxy.legs import (
 from kvdisagg.proxy.policies import Verdict
 from kvdisagg.proxy.registry import Instance, Outcome
 from kvdisagg.proxy.types import Admission, Side
-from kvdisagg.proxy.upstream import UpstreamError
 from kvdisagg.tracing import traceparent_of
 
 if TYPE_CHECKING:

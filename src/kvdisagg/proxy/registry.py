@@ -21,10 +21,11 @@ import time
 
 import msgspec
 
+from kvdisagg.errors import UpstreamError, UpstreamTimeout
 from kvdisagg.proxy.breaker import BreakerState, CircuitBreaker
 from kvdisagg.proxy.config import InstanceSpec, ProxyConfig
 from kvdisagg.proxy.types import Role, Side
-from kvdisagg.proxy.upstream import Pool, UpstreamError, UpstreamTimeout
+from kvdisagg.proxy.upstream import Pool
 
 log = logging.getLogger("kvdisagg.proxy")
 

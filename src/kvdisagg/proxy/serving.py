@@ -22,6 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvdisagg.errors import BodyError
 from kvdisagg.proxy import body as bodies
 from kvdisagg.proxy.config import ProxyConfig
 from kvdisagg.proxy.decide import CacheView, Decider, Route
@@ -140,7 +141,7 @@ class Serving:
                 "error"
         try:
             body = bodies.parse(raw, chat, self.cfg.policy.prefix_block_chars)
-        except bodies.BodyError as exc:
+        except BodyError as exc:
             return error_response(400, str(exc)), "error"
         rid = self.request_id(request)
         if root is not None:
