@@ -311,6 +311,37 @@ def test_a_publisher_restart_drops_and_resyncs() -> None:
     run(go())
 
 
+def test_a_restart_whose_first_batches_were_missed_is_still_a_restart() -> None:
+    """The new publisher's seq is already past ours when we hear from it again: without the
+    check after a reconnect this would look like a gap, and the old entries would survive."""
+    async def go() -> None:
+        pub = Publisher()
+        try:
+            async with watching((URL, pub.source)) as index:
+                for i in range(3):
+                    pub.publish(v_stored([10 + i], None, T[10 * i:10 * i + 4]))
+                await until(lambda: stats(index).batches == 3, "three batches")
+                pub.restart()
+                for i in range(5):  # published before the subscriber is back: lost live
+                    pub.publish(v_stored([50 + i], None, T[50 + i:54 + i]))
+                deadline = time.monotonic() + WAIT_S
+                extra = 0
+                while index.cached_tokens(T[80:85]).get(URL) != 4:
+                    assert time.monotonic() < deadline, index.status()
+                    if extra < 20:  # seq 5, 6, ...: until one reaches us
+                        pub.publish(v_stored([80 + extra], None, T[80 + extra:84 + extra]))
+                        extra += 1
+                    await asyncio.sleep(0.3)
+                s = stats(index)
+                assert s.restarts == 1 and s.drops == 1 and s.gaps == 0, s
+                assert index.cached_tokens(T[:5]) == {URL: 0}  # the old publisher's
+                assert index.cached_tokens(T[50:55]) == {URL: 4}  # replayed from 0
+        finally:
+            pub.close()
+
+    run(go())
+
+
 def test_malformed_messages_count_and_drop_then_the_stream_goes_on() -> None:
     async def go() -> None:
         ctx = zmq.Context()

@@ -258,10 +258,20 @@ class StreamStats:
     last_seq: int | None = None
 
 
+class _Replay(enum.Enum):
+    DONE = "done"  # the buffer from the start seq on was applied
+    MISMATCH = "mismatch"  # the batch to verify is not the one we applied: another publisher
+    FAILED = "failed"  # timed out or broke (what came before the failure is applied)
+    UNAVAILABLE = "unavailable"  # no replay endpoint
+
+
 class EventStream:
     """Consumes one instance's events into ``sink`` until cancelled (``run``).
 
-    Owned by one asyncio task; the sockets are created and closed inside ``run``.
+    Owned by one asyncio task; the sockets are created and closed inside ``run``. A dropped
+    connection makes the next batch suspect: a restarted publisher counts from 0 again, and if
+    we missed its first batches its seq may already be past ours, so before anything else the
+    batch we applied last is replayed and compared (same bytes: the same publisher).
     """
 
     def __init__(self, ctx: zmq.asyncio.Context, instance: str, source: EventSource,
@@ -280,7 +290,9 @@ class EventStream:
         self.stats = StreamStats()
         self._topic = source.topic.encode()
         self._expected: int | None = None  # next seq; None: no state continuous with the stream
+        self._last: tuple[int, int] | None = None  # (seq, hash(batch)) applied last
         self._overlap: dict[int, int] | None = None  # seq -> hash(batch) of the last replay
+        self._suspect = False  # the connection dropped since the last batch
         self._resync_wanted = False
         self.synced = asyncio.Event()
         """Set once the first sync attempt ended (replayed, or nothing to replay from)."""
@@ -300,20 +312,35 @@ class EventStream:
     async def run(self) -> None:
         sub = self._socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, 100_000)  # vLLM's own hwm: a long replay must not overflow it
+        # ZMTP heartbeats: a publisher host that vanished without closing is noticed (the
+        # connection drops, and the next batch is verified).
+        sub.setsockopt(zmq.HEARTBEAT_IVL, 5000)
+        sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, 15000)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         try:
-            connected = await self._connect(sub)
+            sub.connect(self.source.endpoint)
+            connected = await self._handshake(monitor)
             self.state = StreamState.SYNCING
             if connected:
                 await self._replay(0)
             self.state = StreamState.LIVE
             self.synced.set()
+            poller = zmq.asyncio.Poller()
+            poller.register(sub, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
             while True:
                 if self._resync_wanted:
                     self._resync_wanted = False
                     self._drop("a resync was requested", lost=False)
                     await self._replay(0)
-                if not await sub.poll(int(self.poll_s * 1000)):
+                ready = dict(await poller.poll(int(self.poll_s * 1000)))
+                if monitor in ready:  # first: a disconnect precedes the next connection's data
+                    event = await recv_monitor_message(monitor)  # type: ignore[misc]
+                    if event["event"] == zmq.EVENT_DISCONNECTED:
+                        self._suspect = True
+                    continue
+                if sub not in ready:
                     continue
                 frames = await sub.recv_multipart()
                 if len(frames) != 3 or len(frames[1]) != 8:
@@ -327,29 +354,29 @@ class EventStream:
         finally:
             self.state = StreamState.STOPPED
             self.synced.set()
+            sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
 
-    async def _connect(self, sub: zmq.asyncio.Socket) -> bool:
-        """Connect; True once the publisher's handshake is done (our subscription then reaches
-        it before any replay we ask for), False if it did not come within the bound (ZMQ keeps
+    async def _handshake(self, monitor: zmq.asyncio.Socket) -> bool:
+        """True once the publisher's handshake is done (our subscription then reaches it
+        before any replay we ask for), False if it did not come within the bound (ZMQ keeps
         reconnecting in the background)."""
-        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         try:
-            sub.connect(self.source.endpoint)
             async with asyncio.timeout(self.connect_timeout_s):
-                await recv_monitor_message(monitor)  # type: ignore[misc]
-            return True
+                while True:
+                    event = await recv_monitor_message(monitor)  # type: ignore[misc]
+                    if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                        return True
         except TimeoutError:
             log.warning("kv events: no publisher answers at %s for %s within %.1fs; still "
                         "trying", self.source.endpoint, self.instance, self.connect_timeout_s)
             return False
-        finally:
-            sub.disable_monitor()
-            monitor.close(linger=0)
 
     def _drop(self, reason: str, *, lost: bool = True) -> None:
         n = self.sink.clear(self.instance)
         self._expected = None
+        self._last = None
         self._overlap = None
         if lost:
             self.stats.drops += 1
@@ -357,6 +384,18 @@ class EventStream:
                         self.instance, reason, n)
 
     async def _on_live(self, seq: int, payload: bytes) -> None:
+        if self._suspect:
+            self._suspect = False
+            if self._last is not None:
+                last_seq = self._last[0]
+                verdict = await self._replay(last_seq, verify=self._last)
+                if verdict is _Replay.MISMATCH:
+                    self.stats.restarts += 1
+                    self._drop(f"it reconnected with another batch {last_seq}: its publisher "
+                               "restarted")
+                elif verdict is not _Replay.DONE:
+                    self._drop("it reconnected, and without a replay of batch "
+                               f"{last_seq} it may be another publisher")
         if self._overlap is not None:
             if self._overlap.get(seq) == hash(payload):
                 return  # published while we replayed: the replay applied it already
@@ -393,6 +432,7 @@ class EventStream:
             self._drop(f"batch {seq} is malformed ({exc})")
             self._expected = seq + 1
             return
+        self._last = (seq, hash(payload))
         if unknown:
             if not self.stats.unknown_events:
                 log.warning("kv events of %s: skipping events of a type this proxy does not "
@@ -402,15 +442,17 @@ class EventStream:
         self.stats.events += len(events)
         self.sink.apply(self.instance, events)
 
-    async def _replay(self, start: int) -> None:
+    async def _replay(self, start: int, verify: tuple[int, int] | None = None) -> _Replay:
         """Ask the publisher for its buffered batches from ``start`` on and apply them.
 
         Leaves ``_expected`` after the last batch applied. A buffer that no longer reaches back
-        to ``start`` drops the instance's entries (when it had any) first.
+        to ``start`` drops the instance's entries (when it had any) first. ``verify``: (seq,
+        hash) of the batch at ``start``, already applied: MISMATCH, and nothing applied, unless
+        the replay begins with exactly that batch.
         """
         endpoint = self.source.replay_endpoint
         if endpoint is None:
-            return
+            return _Replay.UNAVAILABLE
         dealer = self._socket(zmq.DEALER)
         overlap: dict[int, int] = {}
         try:
@@ -423,16 +465,22 @@ class EventStream:
                     frames = await dealer.recv_multipart()
                 if len(frames) != 4 or frames[0] != b"" or len(frames[2]) != 8:
                     raise InvalidMessage(f"a replay message of {len(frames)} frames")
-                if frames[2] == END_SEQ:
-                    break
-                if frames[1] != self._topic:
+                end = frames[2] == END_SEQ
+                if not end and frames[1] != self._topic:
                     raise InvalidMessage(f"a replayed batch of topic {frames[1]!r}")
-                seq = int.from_bytes(frames[2], "big")
+                seq = -1 if end else int.from_bytes(frames[2], "big")
                 if first:
                     first = False
-                    if seq > start and self._expected is not None:
+                    if verify is not None:
+                        if (seq, hash(frames[3])) != verify:
+                            return _Replay.MISMATCH
+                        overlap[seq] = verify[1]
+                        continue
+                    if not end and seq > start and self._expected is not None:
                         self._drop(f"batches {start}..{seq - 1} are no longer in its replay "
                                    "buffer")
+                if end:
+                    break
                 exp = self._expected
                 if exp is not None and seq < exp:
                     continue
@@ -446,11 +494,13 @@ class EventStream:
             self._overlap = overlap or None
             if self._expected is None and start == 0:
                 self._expected = 0  # nothing published yet: the empty state is complete
+            return _Replay.DONE
         except (TimeoutError, InvalidMessage, zmq.ZMQError) as exc:
             self.stats.replay_failures += 1
             what = "timed out" if isinstance(exc, TimeoutError) else str(exc)
             log.warning("kv events of %s: replay from %d at %s failed: %s", self.instance, start,
                         endpoint, what)
             self._overlap = overlap or None
+            return _Replay.FAILED
         finally:
             dealer.close(linger=0)
