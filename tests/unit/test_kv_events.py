@@ -18,9 +18,16 @@ import zmq
 from aiohttp import web
 
 from kvdisagg.proxy.cache_index import CacheIndex, CacheIndexConfig, IndexState
-from kvdisagg.proxy.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, EventSource,
-                                      InvalidMessage, decode_batch, source_from_publisher,
-                                      subscriber_address)
+from kvdisagg.proxy.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventSource,
+    InvalidMessage,
+    decode_batch,
+    source_from_publisher,
+    subscriber_address,
+)
 from kvdisagg.testing.servers import free_port
 from tests.support.zmq_relay import LossyRelay
 
@@ -476,3 +483,15 @@ def test_config_is_checked() -> None:
     cfg = msgspec.convert(json.loads('{"sources": {"http://a:1": {"endpoint": "tcp://a:2"}}}'),
                           CacheIndexConfig)
     assert cfg.sources["http://a:1"].replay_endpoint is None
+
+
+def test_every_key_is_documented() -> None:
+    from pathlib import Path
+
+    from kvdisagg.proxy.tokens import TokenizerConfig
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    keys = [f"cache_index.{f}" for f in CacheIndexConfig.__struct_fields__]
+    keys += [f"cache_index.tokenizer.{f}" for f in TokenizerConfig.__struct_fields__]
+    missing = [k for k in keys if f"`{k}`" not in doc]
+    assert missing == [], f"not in docs/configuration.md: {missing}"

@@ -26,16 +26,16 @@ TEMPLATES = [
     "{% for m in messages %}{{ m['content'] }}{% endfor %}",
     "{% for m in messages %}{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endfor %}",
     "{% for m in messages %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endfor %}",
-    "{% set msgs = messages[1:] %}{% for m in msgs %}{% for p in m['content'] | list %}"
-    "{{ p }}{% endfor %}{% endfor %}",
-    "{% macro render(c) %}{% for p in c %}{{ p['text'] }}{% endfor %}{% endmacro %}"
-    "{% for m in messages %}{{ render(m['content']) }}{% endfor %}",
-    "{% for m in messages %}{% set content = m['content'] %}{% for x in content %}{{ x }}"
-    "{% endfor %}{% endfor %}",
-    "{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}{% else %}"
-    "{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endif %}{% endfor %}",
-    "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}{% endfor %}"
-    "{% if add_generation_prompt %}A:{% endif %}{{ enable_thinking }}",
+    ("{% set msgs = messages[1:] %}{% for m in msgs %}{% for p in m['content'] | list %}"
+     "{{ p }}{% endfor %}{% endfor %}"),
+    ("{% macro render(c) %}{% for p in c %}{{ p['text'] }}{% endfor %}{% endmacro %}"
+     "{% for m in messages %}{{ render(m['content']) }}{% endfor %}"),
+    ("{% for m in messages %}{% set content = m['content'] %}{% for x in content %}{{ x }}"
+     "{% endfor %}{% endfor %}"),
+    ("{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+     "{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endif %}{% endfor %}"),
+    ("{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}{% endfor %}"
+     "{% if add_generation_prompt %}A:{% endif %}{{ enable_thinking }}"),
     "{% for %}broken",
 ]
 

@@ -282,8 +282,9 @@ class CacheIndex:
 
         Only instances the index answers for appear (absent: unknown, not zero); restrict
         with ``instances`` (URLs). ``extra``: the request's LoRA name and cache salt. Pure
-        lookup (does not modify anything); about 3 us per 128-token block. Raises ValueError
-        for token ids outside [0, 2**64).
+        lookup (does not modify anything); about 10 us of CPU per 128-token block on the 2-core
+        test machine (benchmarks/tokenizer.py). Raises ValueError for token ids outside
+        [0, 2**32).
         """
         live = self.answering()
         if instances is not None:

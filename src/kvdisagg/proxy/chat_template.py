@@ -29,7 +29,8 @@ def _parse(chat_template: str) -> jinja2.nodes.Template | None:
 
     try:
         compiled = hf_chat_utils._compile_jinja_template(chat_template)
-        return compiled.environment.parse(chat_template)
+        root: jinja2.nodes.Template = compiled.environment.parse(chat_template)
+        return root
     except Exception:
         return None
 

@@ -336,7 +336,7 @@ class EventStream:
                     await self._replay(0)
                 ready = dict(await poller.poll(int(self.poll_s * 1000)))
                 if monitor in ready:  # first: a disconnect precedes the next connection's data
-                    event = await recv_monitor_message(monitor)  # type: ignore[misc]
+                    event = await recv_monitor_message(monitor)
                     if event["event"] == zmq.EVENT_DISCONNECTED:
                         self._suspect = True
                     continue
@@ -365,7 +365,7 @@ class EventStream:
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 while True:
-                    event = await recv_monitor_message(monitor)  # type: ignore[misc]
+                    event = await recv_monitor_message(monitor)
                     if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                         return True
         except TimeoutError:

@@ -49,7 +49,7 @@ import msgspec
 
 from kvdisagg.proxy.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event, Hash
 
-__all__ = ["BlockKey", "BlockExtra", "Instance", "PrefixIndex", "block_keys", "vllm_hit_tokens"]
+__all__ = ["BlockExtra", "BlockKey", "Instance", "PrefixIndex", "block_keys", "vllm_hit_tokens"]
 
 log = logging.getLogger("kvdisagg.proxy.prefix_index")
 
@@ -136,7 +136,7 @@ def vllm_hit_tokens(held_blocks: int, prompt_len: int, block_size: int) -> int:
 
 
 class _Entry:
-    __slots__ = ("key", "copies")
+    __slots__ = ("copies", "key")
 
     def __init__(self, key: BlockKey) -> None:
         self.key = key

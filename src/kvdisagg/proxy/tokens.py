@@ -324,7 +324,7 @@ class RequestTokenizer:
             if any(fields.get(k) is not None for k in _CHAT_UNSUPPORTED) or not isinstance(
                     fields.get("messages"), list):
                 return None
-            body = {k: fields[k] for k in ("messages", "add_generation_prompt",
+            body: dict[str, Any] = {k: fields[k] for k in ("messages", "add_generation_prompt",
                                            "continue_final_message", "add_special_tokens",
                                            "chat_template_kwargs") if k in fields}
             bodies.append(body)
