@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kvdisagg.testing.fleet import Fleet, kv_events_args  # noqa: E402
+from kvdisagg.testing.fleet import Fleet  # noqa: E402
 from kvdisagg.testing.servers import VllmServer, metric_value  # noqa: E402
 from kvdisagg.testing.tiny_model import ensure_tiny_model  # noqa: E402
 
@@ -127,8 +127,7 @@ def setups(model: Path, log_dir: Path) -> dict[str, Callable[[], Iterator[str]]]
         @contextmanager
         def run() -> Iterator[str]:
             fleet = Fleet(model, log_dir / f"{prefills}p1d", prefills=prefills,
-                          always_disaggregate=False, prefill_args=kv_events_args(),
-                          decode_args=kv_events_args())
+                          always_disaggregate=False, kv_events=True)
             with fleet:
                 yield fleet.proxy_url
                 print(routed(fleet.proxy_url), file=sys.stderr)

@@ -11,7 +11,6 @@ started later learns the same from the replay buffer.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from pathlib import Path
@@ -22,7 +21,8 @@ import pytest
 from kvdisagg.proxy.cache_index import CacheIndex, CacheIndexConfig, IndexState
 from kvdisagg.proxy.tokens import RequestTokenizer, TokenizerConfig, TokenizerMode
 from kvdisagg.proxy.upstream import Pool
-from kvdisagg.testing.servers import VllmServer, free_port
+from kvdisagg.testing.fleet import kv_events_args
+from kvdisagg.testing.servers import VllmServer
 from kvdisagg.testing.tiny_model import _WORDS
 from tests.e2e.conftest import BLOCK, LOG_DIR, metric, post
 
@@ -33,11 +33,8 @@ WAIT_S = 60.0
 
 @pytest.fixture(scope="module")
 def instance(model: Path):
-    events = {"enable_kv_cache_events": True, "publisher": "zmq",
-              "endpoint": f"tcp://*:{free_port()}", "replay_endpoint": f"tcp://*:{free_port()}",
-              "topic": "kv"}
     server = VllmServer(model, log_path=LOG_DIR / "kv-index.log",
-                        extra_args=["--kv-events-config", json.dumps(events)])
+                        extra_args=kv_events_args("kv-index"))  # loopback and a socket file
     with server:
         server.wait_ready(900)
         yield server

@@ -133,9 +133,12 @@ class FakeCache:
         self.hits = hits
         self.asked: list[Sequence[int]] = []
 
-    def cached_tokens(self, token_ids: Sequence[int]) -> dict[str, int]:
+    def cached_tokens(self, token_ids: Sequence[int], extra: Any = None) -> dict[str, int]:
         self.asked.append(token_ids)
         return {u: min(h, len(token_ids)) for u, h in self.hits.items()}
+
+    def answering(self) -> list[str]:
+        return list(self.hits)
 
 
 def test_short_prompt_goes_to_decode_alone_long_one_is_disaggregated() -> None:
@@ -177,7 +180,7 @@ def test_decode_holding_the_prefix_serves_the_follow_up_and_is_sticky() -> None:
     async def t() -> None:
         async with proxy(n_decode=2, decision=DecisionConfig(local_prefill_tokens=100)) as env:
             d1 = env.urls["d1"]
-            env.client.server.app[SERVING].decider.cache = FakeCache({d1: 900})
+            env.client.server.app[SERVING].cache = FakeCache({d1: 900})
             for _ in range(3):  # a 1000-token prompt of which d1 holds 900: d1 computes 100
                 r = await env.client.post("/v1/completions", json={
                     "model": "tiny", "prompt": [5] * 1000, "max_tokens": 2})
@@ -325,4 +328,40 @@ def test_n_streams_are_not_migrated() -> None:
             assert "error" in evs[-2] and evs[-1] == "[DONE]"
             assert "return_token_ids" not in env.decode[0].seen[0]["body"]
             assert env.decode[1].seen == []
+    run(t())
+
+
+def test_prefill_holding_the_prefix_gets_the_disaggregated_request() -> None:
+    async def t() -> None:
+        async with proxy(n_prefill=2, decision=DecisionConfig(local_prefill_tokens=10)) as env:
+            p1 = env.urls["p1"]
+            cache = FakeCache({p1: 600})
+            env.client.server.app[SERVING].cache = cache
+            for _ in range(3):
+                r = await env.client.post("/v1/completions", json={
+                    "model": "tiny", "prompt": [5] * 1000, "max_tokens": 2})
+                assert r.headers["X-Kvdisagg-Handoff"] == "pd"
+            assert len(env.prefill[1].seen) == 3 and env.prefill[0].seen == []
+            assert [len(ids) for ids in cache.asked] == [1000] * 3  # the client's own ids
+    run(t())
+
+
+def test_the_registry_tells_its_listeners_of_members() -> None:
+    from kvdisagg.proxy.app import REGISTRY
+    from kvdisagg.proxy.config import InstanceSpec
+    from kvdisagg.proxy.registry import MemberEvent
+    from kvdisagg.proxy.types import Role
+
+    async def t() -> None:
+        async with proxy() as env:
+            reg = env.client.server.app[REGISTRY]
+            heard: list[tuple[MemberEvent, str]] = []
+            reg.listeners.append(lambda e, i: heard.append((e, i.url)))
+            inst = reg.add(InstanceSpec(url="http://127.0.0.1:9", role=Role.DECODE))
+            await reg.probe(inst)  # refused: unhealthy
+            inst.probe_result(True, None, reg.cfg)
+            inst.probe_result(True, None, reg.cfg)
+            reg.remove(inst.url)
+            assert heard == [(MemberEvent.ADDED, inst.url), (MemberEvent.RECOVERED, inst.url),
+                             (MemberEvent.REMOVED, inst.url)]
     run(t())

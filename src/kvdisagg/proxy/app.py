@@ -18,12 +18,14 @@ import msgspec
 from aiohttp import web
 
 from kvdisagg.proxy import admin, passthrough
+from kvdisagg.proxy.cache_index import CacheIndex
 from kvdisagg.proxy.config import ProxyConfig, TimeoutConfig, instances_from_urls
 from kvdisagg.proxy.discovery import Discovery
 from kvdisagg.proxy.metrics import Metrics
 from kvdisagg.proxy.policies import make_policy
-from kvdisagg.proxy.registry import Registry
+from kvdisagg.proxy.registry import Instance, MemberEvent, Registry
 from kvdisagg.proxy.serving import Serving
+from kvdisagg.proxy.tokens import RequestTokenizer
 from kvdisagg.proxy.types import Side
 from kvdisagg.tracing import Tracer
 
@@ -69,9 +71,13 @@ def make_app(prefill_urls: list[str] | None = None, decode_urls: list[str] | Non
     metrics = Metrics(cfg.slo)
     if tracer is None:
         tracer = Tracer.otlp(cfg.otlp_traces_endpoint, "kvdisagg-proxy")
+    index = CacheIndex(cfg.cache_index) if cfg.cache_index.enabled else None
+    tokenizer = RequestTokenizer(cfg.cache_index.tokenizer) if index is not None else None
+    metrics.cache = index
     serving = Serving(cfg, registry, metrics,
                       make_policy(cfg.policy.prefill, cfg.policy, cfg.slo),
-                      make_policy(cfg.policy.decode, cfg.policy, cfg.slo), tracer)
+                      make_policy(cfg.policy.decode, cfg.policy, cfg.slo), tracer,
+                      index, tokenizer)
     app = web.Application(client_max_size=cfg.max_body_bytes)
     app[CONFIG], app[REGISTRY], app[METRICS], app[SERVING] = cfg, registry, metrics, serving
     discovery = Discovery(cfg.discovery, registry, cfg.drain_timeout_s,
@@ -103,7 +109,25 @@ def make_app(prefill_urls: list[str] | None = None, decode_urls: list[str] | Non
         return web.Response(text=metrics.render(registry),
                             content_type="text/plain", charset="utf-8")
 
+    def follow(event: MemberEvent, inst: Instance) -> None:
+        """The cache index follows the fleet: new members watched, removed ones dropped, one
+        that came back (maybe restarted) resynced."""
+        assert index is not None
+        if event is MemberEvent.ADDED:
+            loop.create_task(index.watch(inst.url, inst.role.value))
+        elif event is MemberEvent.REMOVED:
+            loop.create_task(index.unwatch(inst.url))
+        else:
+            index.reset(inst.url)
+
     async def on_startup(_app: web.Application) -> None:
+        nonlocal loop
+        loop = asyncio.get_running_loop()
+        if index is not None and tokenizer is not None:
+            await tokenizer.start()  # a bad cache_index.tokenizer.model stops start-up
+            for inst in registry.instances.values():
+                await index.watch(inst.url, inst.role.value)
+            registry.listeners.append(follow)
         if discovery.sources:  # first answer before the start-up probes wait for a decode
             await discovery.start()
         await registry.start()
@@ -111,7 +135,11 @@ def make_app(prefill_urls: list[str] | None = None, decode_urls: list[str] | Non
     async def on_cleanup(_app: web.Application) -> None:
         await discovery.close()
         await registry.close()
+        if index is not None:
+            await index.close()
         tracer.shutdown()
+
+    loop: asyncio.AbstractEventLoop | None = None
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)

@@ -46,6 +46,9 @@ Seconds = Annotated[float, msgspec.Meta(gt=0, le=86400)]
 class CacheIndexConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """The cache index (``cache_index:`` in the proxy's config)."""
 
+    enabled: bool = True
+    """Follow each instance's KV events (instances without them are left out, said once in
+    the log); false (``--no-cache-index``): no index, the decision counts whole prompts."""
     connect_timeout_s: Seconds = 5.0
     """Bound on ``GET /kv_event_sources`` and on the publisher's ZMQ handshake."""
     replay_timeout_s: Seconds = 5.0

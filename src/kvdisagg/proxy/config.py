@@ -22,6 +22,7 @@ import msgspec
 import yaml
 
 from kvdisagg.errors import ConfigError
+from kvdisagg.proxy.cache_index import CacheIndexConfig
 from kvdisagg.proxy.targets import parse_hostport, parse_target
 from kvdisagg.proxy.types import Admission, PolicyName, Role
 from kvdisagg.tracing import OtlpEndpoint
@@ -263,6 +264,8 @@ class ProxyConfig(_Base):
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
     discovery: DiscoveryConfig = msgspec.field(default_factory=DiscoveryConfig)
     decision: DecisionConfig = msgspec.field(default_factory=DecisionConfig)
+    cache_index: CacheIndexConfig = msgspec.field(default_factory=CacheIndexConfig)
+    """What each instance's prefix cache holds, from vLLM's KV events (cache_index.py)."""
     api_key: str | None = None
     """Replaces the client's Authorization on upstream legs."""
     admin: AdminConfig = msgspec.field(default_factory=AdminConfig)

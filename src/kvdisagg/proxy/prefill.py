@@ -66,8 +66,10 @@ async def prefill(s: Serving, ctx: RequestCtx) -> Prefilled | web.Response:
     failures: list[LegFailure] = []
     missing_kv = False
     for attempt in range(cfg.retry.prefill_attempts):
-        sel = s.prefill_policy.select(ctx.body.route, reg.candidates(Side.PREFILL, tuple(tried)),
-                                      Side.PREFILL)
+        # The prefill holding the longest cached prefix of the prompt (KV events), weighed
+        # with load; without a prediction, the prefill policy's pick.
+        sel = s.decider.choose(Side.PREFILL, s.prefill_policy, ctx.body.route,
+                               reg.candidates(Side.PREFILL, tuple(tried)), ctx.hits)
         inst = sel.instance
         if inst is None:
             break

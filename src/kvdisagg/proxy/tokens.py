@@ -34,8 +34,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from kvdisagg.errors import ConfigError
-from kvdisagg.proxy.upstream import Pool, UpstreamError
+from kvdisagg.errors import ConfigError, UpstreamError
+from kvdisagg.proxy.upstream import Pool
 
 __all__ = ["RequestTokenizer", "TokenizerConfig", "TokenizerMode"]
 
