@@ -365,3 +365,14 @@ def test_the_registry_tells_its_listeners_of_members() -> None:
             assert heard == [(MemberEvent.ADDED, inst.url), (MemberEvent.RECOVERED, inst.url),
                              (MemberEvent.REMOVED, inst.url)]
     run(t())
+
+
+def test_several_prompts_streamed_ask_decode_for_no_token_ids() -> None:
+    async def t() -> None:
+        async with proxy() as env:
+            r = await env.client.post("/v1/completions", json={
+                "model": "tiny", "prompt": PROMPTS, "max_tokens": 2, "stream": True})
+            data = await r.read()
+            assert b'"token_ids":[' not in data
+            assert all("return_token_ids" not in s["body"] for s in env.decode[0].seen)
+    run(t())

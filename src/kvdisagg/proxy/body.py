@@ -48,6 +48,8 @@ class ClientBody(NamedTuple):
     local_reason: str | None = None
     """Set when only decode can serve this form well: prompt logprobs make vLLM recompute the
     prompt whatever KV it was given, beam search runs step by step in vLLM's server."""
+    one_of_many: bool = False
+    """One prompt of a several-prompt request (fanout.py merges its stream: not migrated)."""
     forwarded_ids: list[int] | None = None
     """A chat request whose prompt the proxy already knows as token ids (a migrated stream's
     continuation): vLLM's ``kv_transfer_params.prompt_token_ids``, so its chat template is not
@@ -135,7 +137,7 @@ def with_prompt(body: ClientBody, prompt: Any, prefix_chars: int) -> ClientBody:
     fields = dict(body.fields)
     fields["prompt"] = prompt
     sub = parse(_encode(fields), body.chat, prefix_chars)
-    return sub._replace(slo=body.slo)
+    return sub._replace(slo=body.slo, one_of_many=True)
 
 
 def _client_slo(params: Any) -> dict[str, Any] | None:

@@ -100,7 +100,8 @@ class _Failed(NamedTuple):
 
 def migratable(s: Serving, body: bodies.ClientBody) -> bool:
     """A stream the proxy can move to another decode if its decode fails (migrate.py)."""
-    return body.stream and body.n == 1 and s.cfg.retry.migrations > 0
+    return (body.stream and body.n == 1 and not body.one_of_many
+            and s.cfg.retry.migrations > 0)
 
 
 async def open_decode(s: Serving, ctx: RequestCtx, pre: Prefilled,
