@@ -26,7 +26,7 @@ from aiohttp import web
 
 from kvdisagg.errors import ConfigError
 from kvdisagg.proxy.config import InstanceSpec, ProxyConfig
-from kvdisagg.proxy.errors import error_response
+from kvdisagg.proxy.responses import error_response
 from kvdisagg.proxy.registry import Instance, Registry
 from kvdisagg.proxy.types import Role
 

@@ -28,7 +28,7 @@ from aiohttp import web
 
 from kvdisagg.errors import UpstreamError, UpstreamTimeout
 from kvdisagg.proxy import body as bodies
-from kvdisagg.proxy.errors import error_event, error_response
+from kvdisagg.proxy.responses import error_event, error_response
 from kvdisagg.proxy.legs import (
     RETRYABLE_STATUS,
     FailKind,

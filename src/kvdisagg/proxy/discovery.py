@@ -482,7 +482,7 @@ def make_sources(cfg: DiscoveryConfig) -> list[Source]:
 
 
 # the diff
-class Plan(NamedTuple):
+class Changes(NamedTuple):
     add: list[InstanceSpec]  # new: add and probe
     drain: list[str]  # discovered, vanished: drain then remove
     undrain: list[str]  # discovered, vanished, back before its drain ended
@@ -501,7 +501,7 @@ def desired(answers: Iterable[tuple[Role, list[str]]]) -> tuple[dict[str, Role],
 
 
 def plan(want: dict[str, Role], owned: dict[str, Role], present: Iterable[str],
-         draining: Iterable[str]) -> Plan:
+         draining: Iterable[str]) -> Changes:
     """What to change. ``owned``: URLs discovery added (and has not removed yet); ``present``:
     every URL in the registry (static, admin-added, discovered); ``draining``: owned URLs whose
     drain is under way. Only owned URLs are ever drained or undrained."""
@@ -515,7 +515,7 @@ def plan(want: dict[str, Role], owned: dict[str, Role], present: Iterable[str],
             add.append(InstanceSpec(url=url, role=role))
     drain = [u for u, role in owned.items()
              if u not in draining and want.get(u) is not role]  # gone, or now the other role
-    return Plan(add, drain, undrain)
+    return Changes(add, drain, undrain)
 
 
 class Discovery:
@@ -555,7 +555,7 @@ class Discovery:
         """Whether a source lists ``url`` now (the admin API may then add it back)."""
         return any(url in urls for urls in self.last.values())
 
-    async def sync(self) -> Plan:
+    async def sync(self) -> Changes:
         """One round: resolve every source, then add, drain and undrain."""
         await asyncio.gather(*(self._resolve(i, s) for i, s in enumerate(self.sources)))
         want, clash = desired((s.role, self.last.get(i, [])) for i, s in enumerate(self.sources))

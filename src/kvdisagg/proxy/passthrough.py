@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from kvdisagg.errors import UpstreamError
-from kvdisagg.proxy.errors import error_event, error_response
+from kvdisagg.proxy.responses import error_event, error_response
 from kvdisagg.proxy.legs import LegFailure, LegScope, kind_of, outcome_of
 from kvdisagg.proxy.policies import RouteRequest
 from kvdisagg.proxy.registry import Instance, Outcome

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from kvdisagg.errors import UpstreamError
 from kvdisagg.proxy import body as bodies
-from kvdisagg.proxy.errors import error_body, error_response
+from kvdisagg.proxy.responses import error_body, error_response
 from kvdisagg.proxy.legs import (
     RETRYABLE_STATUS,
     FailKind,

@@ -27,7 +27,7 @@ from kvdisagg.proxy import body as bodies
 from kvdisagg.proxy.config import ProxyConfig
 from kvdisagg.proxy.decide import CacheView, Decider, Route
 from kvdisagg.proxy.decode import Opened, finish_body, open_decode, relay_stream
-from kvdisagg.proxy.errors import error_response
+from kvdisagg.proxy.responses import error_response
 from kvdisagg.proxy.metrics import Metrics
 from kvdisagg.proxy.policies import Policy
 from kvdisagg.proxy.prefill import Prefilled, prefill
