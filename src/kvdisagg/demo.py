@@ -1,7 +1,8 @@
 """``kvdisagg demo``: P/D serving end to end on this machine, with a printed report.
 
 Generates the tiny model, starts a prefill, a decode and a plain reference vLLM instance plus the
-proxy, streams a short load through the proxy and compares every answer with the reference.
+proxy (deciding per request, as users run it), streams a short load of prompts from a few
+tokens to about a thousand through the proxy and compares every answer with the reference.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def _stream(url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
     start = time.perf_counter()
     stamps, text = [], []
     with urllib.request.urlopen(req, timeout=300) as r:
+        route = r.headers.get("X-Kvdisagg-Handoff", "?")
         for line in r:
             if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
                 event = json.loads(line[6:])
@@ -36,7 +38,7 @@ def _stream(url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
                     text.append(event["choices"][0]["text"])
     ttft = stamps[0] if stamps else float("nan")
     tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else 0.0
-    return {"text": "".join(text), "ttft": ttft, "tpot": tpot}
+    return {"text": "".join(text), "ttft": ttft, "tpot": tpot, "route": route}
 
 
 def _reference(url: str, prompt: str, max_tokens: int) -> str:
@@ -47,37 +49,67 @@ def _reference(url: str, prompt: str, max_tokens: int) -> str:
     return json.loads(urllib.request.urlopen(req, timeout=300).read())["choices"][0]["text"]
 
 
+def _tokens(url: str, prompt: str) -> int:
+    req = urllib.request.Request(url + "/tokenize", json.dumps(
+        {"model": "tiny", "prompt": prompt}).encode(), {"Content-Type": "application/json"})
+    return int(json.loads(urllib.request.urlopen(req, timeout=60).read())["count"])
+
+
+PULL = {"pulls": "vllm:kvdisagg_pulls_total", "bytes": "vllm:kvdisagg_pulled_bytes_total"}
+PHASES = ("connect", "read", "transfer", "done")
+
+
+def _pull_state(decode: str) -> dict[str, float]:
+    """Decode's pull counters and the time in each pull phase (its phase histograms)."""
+    out = {k: metric_value(decode, name) for k, name in PULL.items()}
+    for phase in PHASES:
+        out[phase] = metric_value(decode, "vllm:kvdisagg_phase_seconds_sum", phase=phase)
+    return out
+
+
 def run_demo(num_requests: int = 8, log_dir: str = "out/demo") -> int:
     print("kvdisagg demo: generating the tiny model ...", flush=True)
     model = ensure_tiny_model()
     print("starting prefill, decode and reference vLLM instances and the proxy "
           "(a few minutes on 2 cores) ...", flush=True)
     words = "the quick brown fox jumps over the lazy dog while the sea keeps singing".split()
-    prompts = [" ".join(words[(i + j) % len(words)] for j in range(40 + 60 * i))
+    prompts = [" ".join(words[(i + j) % len(words)] for j in range(8 + 80 * i))
                for i in range(num_requests)]
     max_tokens = 16
-    with Fleet(model, Path(log_dir), reference=True) as fleet:
+    # The proxy as users run it: it decides per request whether splitting pays.
+    with Fleet(model, Path(log_dir), reference=True, always_disaggregate=False) as fleet:
         assert fleet.reference is not None
         print(f"ready: proxy {fleet.proxy_url}, prefill {fleet.prefill.base_url}, "
               f"decode {fleet.decode.base_url}", flush=True)
         d = fleet.decode.base_url
-        bytes0, secs0 = (metric_value(d, "vllm:kvdisagg_pulled_bytes_total"),
-                         metric_value(d, "vllm:kvdisagg_pull_seconds_total"))
+        before = _pull_state(d)
         with ThreadPoolExecutor(4) as pool:
             results = list(pool.map(lambda p: _stream(fleet.proxy_url, p, max_tokens), prompts))
         refs = [_reference(fleet.reference.base_url, p, max_tokens) for p in prompts]
+        lengths = [_tokens(fleet.reference.base_url, p) for p in prompts]
         time.sleep(1.5)  # engine stats are published on an interval
-        moved = metric_value(d, "vllm:kvdisagg_pulled_bytes_total") - bytes0
-        xfer = metric_value(d, "vllm:kvdisagg_pull_seconds_total") - secs0
+        after = _pull_state(d)
         usage = metric_value(fleet.prefill.base_url, "vllm:kv_cache_usage_perc")
 
-    print(f"\n{'req':>3} {'prompt words':>12} {'TTFT ms':>9} {'TPOT ms':>9}  match")
-    for i, (p, r, ref) in enumerate(zip(prompts, results, refs)):
-        print(f"{i:>3} {len(p.split()):>12} {r['ttft'] * 1e3:>9.1f} {r['tpot'] * 1e3:>9.1f}  "
-              f"{'yes' if r['text'] == ref else 'NO'}")
+    print(f"\n{'req':>3} {'prompt tokens':>13} {'served':>26} {'TTFT ms':>9} {'TPOT ms':>9}"
+          "  match")
+    for i, (n, r, ref) in enumerate(zip(lengths, results, refs)):
+        print(f"{i:>3} {n:>13} {r['route']:>26} {r['ttft'] * 1e3:>9.1f} "
+              f"{r['tpot'] * 1e3:>9.1f}  {'yes' if r['text'] == ref else 'NO'}")
     matched = sum(r["text"] == ref for r, ref in zip(results, refs))
-    print(f"\nKV moved prefill -> decode: {moved / 2**20:.2f} MiB in {xfer * 1e3:.1f} ms of "
-          f"transfer time ({moved / xfer / 2**30 if xfer else 0:.2f} GiB/s)")
+    moved = {k: after[k] - before[k] for k in after}
+    pd = sum(r["route"] == "pd" for r in results)
+    print(f"\n{pd} of {len(results)} requests disaggregated (pd); the others were served by "
+          f"decode alone: their prompt was short enough that computing it on decode costs "
+          f"less than a handoff (decision.local_prefill_tokens)")
+    if moved["pulls"]:
+        rate = moved["bytes"] / moved["transfer"] / 2**30 if moved["transfer"] else 0.0
+        print(f"KV moved prefill -> decode: {moved['bytes'] / 2**20:.2f} MiB in "
+              f"{moved['pulls']:.0f} pulls; the bytes themselves took {moved['transfer'] * 1e3:.1f}"
+              f" ms ({rate:.2f} GiB/s while moving); asking prefill for them (read) "
+              f"{moved['read'] * 1e3:.1f} ms, releasing them (done) {moved['done'] * 1e3:.1f} ms")
+        print(f"opening side-channel connections: {moved['connect'] * 1e3:.1f} ms in all, paid "
+              "by the first pulls only (connections are pooled): why early requests are slower")
     print(f"outputs identical to the single-instance reference: {matched}/{len(prompts)}")
     print(f"prefill KV usage after the load: {usage:.3f}")
     print(f"logs: {log_dir}/")

@@ -65,7 +65,7 @@ def fleet(model: Path, otlp_sink):
     match), plus a decode instance whose transport corrupts what it moves. Every request is
     traced (otlp_sink): the whole suite runs with spans on."""
     trace = {"otlp_traces_endpoint": otlp_sink.url}
-    fleet = Fleet(model, LOG_DIR, reference=True,
+    fleet = Fleet(model, LOG_DIR, reference=True, kv_events=True,
                   prefill_extra={"lease_seconds": LEASE_S, **trace},
                   decode_extra={"transfer_timeout_seconds": TIMEOUT_S, **trace},
                   proxy_args=["--otlp-traces-endpoint", otlp_sink.url])

@@ -90,10 +90,26 @@ class FakeVllm:
 
     async def _stream(self, request: web.Request, chat: bool, tokens: int | None = None,
                       body: dict[str, Any] | None = None) -> web.StreamResponse:
+        """Events shaped as vLLM 0.32 writes them: completions carry ``prompt_token_ids`` and
+        ``token_ids`` (null unless ``return_token_ids``), chat starts with a role chunk and
+        carries ids only when asked. Token k of an answer is ``t{k}`` (id 100 + k); a prompt
+        that ends with ids >= 100 (a migrated stream's continuation) continues the count."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         body = body or {}
+        rid = f"cmpl-{self.name}-{next(self._ids)}"
+        ids = body.get("return_token_ids") is True
+        pids = _prompt_ids(body, chat)
+        offset = sum(1 for t in pids if t >= 100)
+        n = body.get("n") or 1
         count = self.tokens if tokens is None else tokens
+        if chat:
+            for j in range(n):
+                role: dict[str, Any] = {"id": rid, "choices": [
+                    {"index": j, "delta": {"role": "assistant", "content": ""}}]}
+                if ids:
+                    role |= {"prompt_token_ids": pids, "prompt_text": None}
+                await resp.write(b"data: " + _enc(role) + b"\n\n")
         for i in range(count):
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
@@ -103,21 +119,25 @@ class FakeVllm:
                 return resp
             if self.hang_after is not None and i >= self.hang_after:
                 await asyncio.sleep(3600)
-            for j in range(body.get("n") or 1):
-                choice: dict[str, Any] = ({"index": j, "delta": {"content": f"t{i} "}} if chat
-                                          else {"index": j, "text": f"t{i} "})
-                if body.get("prompt") is not None and not chat and (body.get("n") or 1) > 1:
-                    choice["prompt_echo"] = body["prompt"]
-                elif isinstance(body.get("prompt"), str) and body["prompt"].startswith("#"):
-                    choice["prompt_echo"] = body["prompt"]
-                event = ({"id": f"cmpl-{self.name}", "choices": [choice]}
-                         if "prompt_echo" in choice else {"choices": [choice]})
-                await resp.write(b"data: " + _enc(event) + b"\n\n")
+            k = offset + i
+            for j in range(n):
+                choice: dict[str, Any]
+                if chat:
+                    choice = {"index": j, "delta": {"content": f"t{k} "}}
+                    if ids:
+                        choice["token_ids"] = [100 + k]
+                else:
+                    choice = {"index": j, "text": f"t{k} ",
+                              "prompt_token_ids": pids if ids and i == 0 else None,
+                              "token_ids": [100 + k] if ids else None}
+                    if isinstance(body.get("prompt"), str) and body["prompt"].startswith("#") \
+                            or (body.get("prompt") is not None and n > 1):
+                        choice["prompt_echo"] = body["prompt"]
+                await resp.write(b"data: " + _enc({"id": rid, "choices": [choice]}) + b"\n\n")
         if (body.get("stream_options") or {}).get("include_usage"):
-            n = body.get("n") or 1
-            usage = {"prompt_tokens": _prompt_tokens(body), "completion_tokens": count * n,
-                     "total_tokens": _prompt_tokens(body) + count * n}
-            await resp.write(b"data: " + _enc({"id": f"cmpl-{self.name}", "choices": [],
+            usage = {"prompt_tokens": len(pids), "completion_tokens": count * n,
+                     "total_tokens": len(pids) + count * n}
+            await resp.write(b"data: " + _enc({"id": rid, "choices": [],
                                                "usage": usage}) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
@@ -172,6 +192,20 @@ class FakeVllm:
 def _prompt_tokens(body: dict[str, Any]) -> int:
     p = body.get("prompt")
     return len(p) if isinstance(p, (str, list)) else 4
+
+
+def _prompt_ids(body: dict[str, Any], chat: bool) -> list[int]:
+    """The fake's tokenization: ids given (a prompt of ids, or vLLM's forwarded
+    ``kv_transfer_params.prompt_token_ids``), else one id per character, all below 100."""
+    forwarded = (body.get("kv_transfer_params") or {}).get("prompt_token_ids")
+    if isinstance(forwarded, list):
+        return forwarded
+    p = body.get("prompt")
+    if not chat and isinstance(p, list) and all(isinstance(t, int) for t in p):
+        return p
+    text = p if isinstance(p, str) else "".join(
+        str(m.get("content")) for m in body.get("messages") or [] if isinstance(m, dict))
+    return [3 + ord(c) % 90 for c in text] or [3]
 
 
 def main(argv: list[str] | None = None) -> None:

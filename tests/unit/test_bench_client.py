@@ -21,7 +21,8 @@ from kvdisagg.bench.records import RequestRecord, Slo
 from kvdisagg.bench.runner import Endpoint, run_once
 from kvdisagg.bench.workload import LengthDist, RequestSpec, build
 from kvdisagg.proxy import make_app
-from kvdisagg.proxy.config import DecisionConfig, InstanceSpec, ProxyConfig, Role, SloConfig
+from kvdisagg.proxy.config import DecisionConfig, InstanceSpec, ProxyConfig, SloConfig
+from kvdisagg.proxy.types import Role
 from tests.support.fake_vllm import FakeVllm
 
 CFG = ClientConfig(model="tiny", idle_s=2.0, total_s=5.0, connect_s=1.0)

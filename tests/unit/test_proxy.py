@@ -10,13 +10,23 @@ from typing import Any, AsyncIterator
 
 import msgspec
 import pytest
-from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from kvdisagg.proxy import make_app
 from kvdisagg.proxy.app import ADMIN, REGISTRY
-from kvdisagg.proxy.config import (AdminConfig, BreakerConfig, DecisionConfig, HealthConfig, InstanceSpec, PolicyConfig,
-                                   ProxyConfig, RetryConfig, Role, SloConfig, TimeoutConfig)
+from kvdisagg.proxy.config import (
+    AdminConfig,
+    BreakerConfig,
+    DecisionConfig,
+    HealthConfig,
+    InstanceSpec,
+    PolicyConfig,
+    ProxyConfig,
+    RetryConfig,
+    SloConfig,
+    TimeoutConfig,
+)
+from kvdisagg.proxy.types import Role
 from kvdisagg.testing.servers import free_port
 from kvdisagg.tracing import TRACE_PARAMS_KEY, Tracer
 from tests.support.fake_vllm import FakeVllm
@@ -187,7 +197,9 @@ def test_chat_streaming_relay_is_byte_identical() -> None:
             r = await env.client.post("/v1/chat/completions", json=body)
             assert r.status == 200 and r.content_type == "text/event-stream"
             data = await r.read()
-            assert data.count(b"data: ") == 6 and data.endswith(b"data: [DONE]\n\n")  # +usage
+            # a role chunk, 4 tokens, the usage chunk, [DONE]
+            assert data.count(b"data: ") == 7 and data.endswith(b"data: [DONE]\n\n")
+            assert b"token_ids" not in data  # asked of decode for migration, taken out again
             assert b'"content":"t3 "' in data
             p = env.prefill[0].seen[0]["body"]
             assert p["max_completion_tokens"] == 1 and "stream_options" not in p
@@ -349,8 +361,9 @@ def test_failed_kv_load_on_only_decode_reprefills_on_other_prefill_and_retries()
 
 
 def test_decode_dying_or_hanging_mid_stream_ends_with_error_event() -> None:
+    """Without migration (retry.migrations 0): an error event, then [DONE]."""
     async def t(fault: str) -> None:
-        async with proxy() as env:
+        async with proxy(retry=RetryConfig(migrations=0)) as env:
             env.decode[0].tokens = 5
             setattr(env.decode[0], fault, 2)
             t0 = time.monotonic()
@@ -358,7 +371,7 @@ def test_decode_dying_or_hanging_mid_stream_ends_with_error_event() -> None:
             assert r.status == 200
             data = await r.read()
             assert time.monotonic() - t0 < 5
-            assert data.startswith(b'data: {"choices"') and data.count(b'"text"') == 2
+            assert data.startswith(b'data: {"id"') and data.count(b'"text"') == 2
             assert b'data: {"error"' in data and data.endswith(b"data: [DONE]\n\n")
             assert b"mid-stream" in data
             text = await env.metrics()
@@ -678,7 +691,9 @@ def test_stream_relay_backpressure_and_http10(monkeypatch: pytest.MonkeyPatch) -
     stream unframed (no chunked encoding) until the connection closes."""
     from kvdisagg.proxy import decode
 
-    expected = b"".join(b'data: {"choices":[{"index":0,"text":"t%d "}]}\n\n' % i
+    def expected(rid: bytes) -> bytes:
+        return b"".join(b'data: {"id":"%s","choices":[{"index":0,"text":"t%d ",'
+                        b'"prompt_token_ids":null,"token_ids":null}]}\n\n' % (rid, i)
                         for i in range(300)) + b"data: [DONE]\n\n"
 
     async def t() -> None:
@@ -686,7 +701,7 @@ def test_stream_relay_backpressure_and_http10(monkeypatch: pytest.MonkeyPatch) -
             env.decode[0].tokens = 300
             monkeypatch.setattr(decode, "_CLIENT_HIGH_WATER", -1)
             r = await env.client.post("/v1/completions", json={**GEN, "stream": True})
-            assert r.status == 200 and await r.read() == expected
+            assert r.status == 200 and await r.read() == expected(b"cmpl-d0-0")
             monkeypatch.undo()
             host, port = env.client.server.host, env.client.server.port
             reader, writer = await asyncio.open_connection(host, port)
@@ -697,7 +712,7 @@ def test_stream_relay_backpressure_and_http10(monkeypatch: pytest.MonkeyPatch) -
             writer.close()
             head, _, rest = raw.partition(b"\r\n\r\n")
             assert head.startswith(b"HTTP/1.0 200") and b"chunked" not in head.lower()
-            assert rest == expected
+            assert rest == expected(b"cmpl-d0-1")
             text = await env.metrics()
             assert metric(text, "kvdisagg_proxy_requests_total", outcome="ok") == 2
     run(t())

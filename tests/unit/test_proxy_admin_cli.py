@@ -28,10 +28,10 @@ from kvdisagg.proxy.config import (
     HealthConfig,
     InstanceSpec,
     ProxyConfig,
-    Role,
     TimeoutConfig,
 )
 from kvdisagg.proxy.registry import Registry, State
+from kvdisagg.proxy.types import Role
 from kvdisagg.testing.servers import free_port
 from tests.support.fake_vllm import FakeVllm
 

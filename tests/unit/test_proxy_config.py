@@ -11,8 +11,16 @@ import pytest
 
 from kvdisagg.errors import ConfigError
 from kvdisagg.proxy.cli import add_arguments, config_from_args
-from kvdisagg.proxy.config import (Admission, BreakerConfig, HealthConfig, PolicyConfig,
-                                   ProxyConfig, RetryConfig, TimeoutConfig, load_config_file)
+from kvdisagg.proxy.config import (
+    BreakerConfig,
+    HealthConfig,
+    PolicyConfig,
+    ProxyConfig,
+    RetryConfig,
+    TimeoutConfig,
+    load_config_file,
+)
+from kvdisagg.proxy.types import Admission
 
 BAD = [
     ({"port": 70000}, "port", "70000"),

@@ -22,16 +22,33 @@ from kvdisagg.errors import ConfigError
 from kvdisagg.proxy import make_app
 from kvdisagg.proxy.app import DISCOVERY, REGISTRY
 from kvdisagg.proxy.cli import add_arguments, config_from_args
-from kvdisagg.proxy.config import (DecisionConfig, DiscoveryConfig, HealthConfig, InstanceSpec,
-                                   KubernetesDiscovery, ProxyConfig, Role, TimeoutConfig,
-                                   load_config_file)
-from kvdisagg.proxy.discovery import (Discovery, DiscoveryError, DnsSource, Target, address_urls,
-                                      desired, parse_pods, parse_target, plan, srv_urls)
+from kvdisagg.proxy.config import (
+    DecisionConfig,
+    DiscoveryConfig,
+    HealthConfig,
+    InstanceSpec,
+    KubernetesDiscovery,
+    ProxyConfig,
+    TimeoutConfig,
+    load_config_file,
+)
+from kvdisagg.proxy.discovery import (
+    Discovery,
+    DiscoveryError,
+    DnsSource,
+    Target,
+    address_urls,
+    desired,
+    parse_pods,
+    parse_target,
+    plan,
+    srv_urls,
+)
 from kvdisagg.proxy.metrics import Metrics
-from kvdisagg.proxy.policies import Side
 from kvdisagg.proxy.registry import Outcome, Registry, State
-from tests.support.fake_vllm import FakeVllm
+from kvdisagg.proxy.types import Role, Side
 from kvdisagg.testing.servers import free_port
+from tests.support.fake_vllm import FakeVllm
 
 
 def run(coro: Any) -> Any:

@@ -17,13 +17,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from kvdisagg.errors import ConfigError
-from kvdisagg.proxy.config import (
-    DiscoveryConfig,
-    HealthConfig,
-    KubernetesDiscovery,
-    ProxyConfig,
-    Role,
-)
+from kvdisagg.proxy.config import DiscoveryConfig, HealthConfig, KubernetesDiscovery, ProxyConfig
 from kvdisagg.proxy.discovery import (
     Discovery,
     DiscoveryError,
@@ -31,8 +25,8 @@ from kvdisagg.proxy.discovery import (
     make_sources,
 )
 from kvdisagg.proxy.metrics import Metrics
-from kvdisagg.proxy.policies import Side
 from kvdisagg.proxy.registry import Outcome, Registry, State
+from kvdisagg.proxy.types import Role, Side
 from kvdisagg.testing.servers import free_port
 from tests.support.fake_vllm import FakeVllm
 from tests.support.kube_api import KubeApi

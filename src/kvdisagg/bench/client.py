@@ -54,12 +54,19 @@ def _tokens_in(event: Any) -> int:
     """Tokens an event carries: ``len(token_ids)`` when the server sends them (vLLM with
     ``return_token_ids``), else 1 per event with a choice. vLLM sends several tokens in one
     event when its API server falls behind the engine, and holds back a token that ends
-    mid-UTF-8 sequence, so only ids count exactly."""
+    mid-UTF-8 sequence, so only ids count exactly. A chat stream's first event only names
+    the role (``delta: {"role": "assistant", "content": ""}``): no token."""
     choices = event.get("choices") if isinstance(event, dict) else None
-    if not choices or not isinstance(choices, list):
+    if not choices or not isinstance(choices, list) or not isinstance(choices[0], dict):
         return 0
-    ids = choices[0].get("token_ids") if isinstance(choices[0], dict) else None
-    return len(ids) if isinstance(ids, list) else 1
+    ids = choices[0].get("token_ids")
+    if isinstance(ids, list):
+        return len(ids)
+    delta = choices[0].get("delta")
+    if isinstance(delta, dict) and "role" in delta and not delta.get("content") \
+            and not delta.get("tool_calls"):
+        return 0
+    return 1
 
 
 async def send(session: aiohttp.ClientSession, url: str, spec: RequestSpec, cfg: ClientConfig,

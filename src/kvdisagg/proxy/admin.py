@@ -25,9 +25,10 @@ import msgspec
 from aiohttp import web
 
 from kvdisagg.errors import ConfigError
-from kvdisagg.proxy.config import InstanceSpec, ProxyConfig, Role
-from kvdisagg.proxy.errors import error_response
+from kvdisagg.proxy.config import InstanceSpec, ProxyConfig
+from kvdisagg.proxy.responses import error_response
 from kvdisagg.proxy.registry import Instance, Registry
+from kvdisagg.proxy.types import Role
 
 _encode = msgspec.json.Encoder().encode
 

@@ -1,8 +1,9 @@
 """The aiohttp application: endpoints, wiring, and the staged shutdown.
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``serving.py``), ``GET /v1/models``, ``GET /health`` (liveness), ``GET /readiness`` (can it
-route a request now), ``GET /metrics`` (Prometheus), and the routes of ``passthrough.py``
-(``/v1/models``, ``/tokenize``, ``/v1/responses``...: served by a decode instance as is). The admin API (``admin.py``) is an
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``serving.py``),
+``GET /health`` (liveness), ``GET /readiness`` (can it route a request now), ``GET /metrics``
+(Prometheus), and the routes of ``passthrough.py`` (``/v1/models``, ``/tokenize``,
+``/v1/responses``...: served by a decode instance as is). The admin API (``admin.py``) is an
 application of its own (``app[ADMIN]``), served on its own listener when ``admin.port`` is set.
 """
 
@@ -17,12 +18,15 @@ import msgspec
 from aiohttp import web
 
 from kvdisagg.proxy import admin, passthrough
+from kvdisagg.proxy.cache_index import CacheIndex
 from kvdisagg.proxy.config import ProxyConfig, TimeoutConfig, instances_from_urls
 from kvdisagg.proxy.discovery import Discovery
 from kvdisagg.proxy.metrics import Metrics
-from kvdisagg.proxy.policies import Side, make_policy
-from kvdisagg.proxy.registry import Registry
+from kvdisagg.proxy.policies import make_policy
+from kvdisagg.proxy.registry import Instance, MemberEvent, Registry
 from kvdisagg.proxy.serving import Serving
+from kvdisagg.proxy.tokens import RequestTokenizer
+from kvdisagg.proxy.types import Side
 from kvdisagg.tracing import Tracer
 
 log = logging.getLogger("kvdisagg.proxy")
@@ -67,9 +71,13 @@ def make_app(prefill_urls: list[str] | None = None, decode_urls: list[str] | Non
     metrics = Metrics(cfg.slo)
     if tracer is None:
         tracer = Tracer.otlp(cfg.otlp_traces_endpoint, "kvdisagg-proxy")
+    index = CacheIndex(cfg.cache_index) if cfg.cache_index.enabled else None
+    tokenizer = RequestTokenizer(cfg.cache_index.tokenizer) if index is not None else None
+    metrics.cache = index
     serving = Serving(cfg, registry, metrics,
                       make_policy(cfg.policy.prefill, cfg.policy, cfg.slo),
-                      make_policy(cfg.policy.decode, cfg.policy, cfg.slo), tracer)
+                      make_policy(cfg.policy.decode, cfg.policy, cfg.slo), tracer,
+                      index, tokenizer)
     app = web.Application(client_max_size=cfg.max_body_bytes)
     app[CONFIG], app[REGISTRY], app[METRICS], app[SERVING] = cfg, registry, metrics, serving
     discovery = Discovery(cfg.discovery, registry, cfg.drain_timeout_s,
@@ -101,7 +109,25 @@ def make_app(prefill_urls: list[str] | None = None, decode_urls: list[str] | Non
         return web.Response(text=metrics.render(registry),
                             content_type="text/plain", charset="utf-8")
 
+    def follow(event: MemberEvent, inst: Instance) -> None:
+        """The cache index follows the fleet: new members watched, removed ones dropped, one
+        that came back (maybe restarted) resynced."""
+        assert index is not None
+        if event is MemberEvent.ADDED:
+            loop.create_task(index.watch(inst.url, inst.role.value))
+        elif event is MemberEvent.REMOVED:
+            loop.create_task(index.unwatch(inst.url))
+        else:
+            index.reset(inst.url)
+
     async def on_startup(_app: web.Application) -> None:
+        nonlocal loop
+        loop = asyncio.get_running_loop()
+        if index is not None and tokenizer is not None:
+            await tokenizer.start()  # a bad cache_index.tokenizer.model stops start-up
+            for inst in registry.instances.values():
+                await index.watch(inst.url, inst.role.value)
+            registry.listeners.append(follow)
         if discovery.sources:  # first answer before the start-up probes wait for a decode
             await discovery.start()
         await registry.start()
@@ -109,7 +135,11 @@ def make_app(prefill_urls: list[str] | None = None, decode_urls: list[str] | Non
     async def on_cleanup(_app: web.Application) -> None:
         await discovery.close()
         await registry.close()
+        if index is not None:
+            await index.close()
         tracer.shutdown()
+
+    loop: asyncio.AbstractEventLoop | None = None
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from kvdisagg.errors import BodyError
 from kvdisagg.protocol import SLO_PARAMS_KEY, RequestSlo
 from kvdisagg.proxy.policies import RouteRequest
 from kvdisagg.tracing import TRACE_PARAMS_KEY
@@ -34,10 +35,6 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
 }
 
 
-class BodyError(ValueError):
-    pass
-
-
 class ClientBody(NamedTuple):
     raw: bytes  # the client's bytes (without a forged kv_transfer_params)
     fields: dict[str, Any]
@@ -51,6 +48,12 @@ class ClientBody(NamedTuple):
     local_reason: str | None = None
     """Set when only decode can serve this form well: prompt logprobs make vLLM recompute the
     prompt whatever KV it was given, beam search runs step by step in vLLM's server."""
+    one_of_many: bool = False
+    """One prompt of a several-prompt request (fanout.py merges its stream: not migrated)."""
+    forwarded_ids: list[int] | None = None
+    """A chat request whose prompt the proxy already knows as token ids (a migrated stream's
+    continuation): vLLM's ``kv_transfer_params.prompt_token_ids``, so its chat template is not
+    applied again."""
 
     @property
     def token_ids(self) -> list[int] | None:
@@ -134,7 +137,7 @@ def with_prompt(body: ClientBody, prompt: Any, prefix_chars: int) -> ClientBody:
     fields = dict(body.fields)
     fields["prompt"] = prompt
     sub = parse(_encode(fields), body.chat, prefix_chars)
-    return sub._replace(slo=body.slo)
+    return sub._replace(slo=body.slo, one_of_many=True)
 
 
 def _client_slo(params: Any) -> dict[str, Any] | None:
@@ -165,20 +168,30 @@ def prefill_body(body: ClientBody, trace: str = "") -> bytes:
     params = PREFILL_KV_PARAMS
     if body.slo is not None:
         params = {**params, SLO_PARAMS_KEY: body.slo}
+    if body.forwarded_ids is not None:
+        params = {**params, "prompt_token_ids": body.forwarded_ids}
     if trace:
         params = {**params, TRACE_PARAMS_KEY: trace}
     out["kv_transfer_params"] = params
     return _encode(out)
 
 
-def decode_body(body: ClientBody, kv_params: bytes | None, trace: str = "") -> bytes:
+def decode_body(body: ClientBody, kv_params: bytes | None, trace: str = "",
+                token_ids: bool = False) -> bytes:
     """The client's bytes plus ``kv_transfer_params`` (``None``: decode-only, bytes as sent);
-    ``trace``: the decode leg's traceparent, inserted into prefill's params."""
+    ``trace``: the decode leg's traceparent, inserted into prefill's params; ``token_ids``:
+    ask for ``return_token_ids`` (a stream the proxy may migrate)."""
+    raw = body.raw
+    if token_ids and "return_token_ids" not in body.fields:
+        raw = _insert(raw, b'"return_token_ids":true')
+    if body.forwarded_ids is not None:
+        ids = b'"prompt_token_ids":' + _encode(body.forwarded_ids)
+        kv_params = _insert(kv_params, ids) if kv_params is not None else b"{%s}" % ids
     if kv_params is None:
-        return body.raw
+        return raw
     if trace:
         kv_params = _insert(kv_params, b'"%s":"%s"' % (TRACE_PARAMS_KEY.encode(), trace.encode()))
-    return _insert(body.raw, b'"kv_transfer_params":' + kv_params)
+    return _insert(raw, b'"kv_transfer_params":' + kv_params)
 
 
 def _insert(raw: bytes, member: bytes) -> bytes:

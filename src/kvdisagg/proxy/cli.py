@@ -55,6 +55,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-prefill-tokens", type=int, metavar="N",
                    help="decode serves a request alone when it would compute at most N "
                    "prompt tokens itself (default 512)")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="the served model's tokenizer (a model directory): request token ids "
+                   "are worked out in the proxy for cache-hit predictions (else vLLM's "
+                   "/tokenize is asked)")
+    p.add_argument("--no-cache-index", action="store_true",
+                   help="do not follow the instances' KV cache events")
     p.add_argument("--no-decode-only-fallback", action="store_true",
                    help="fail instead of letting decode recompute when no prefill is usable")
     p.add_argument("--health-interval", type=float, metavar="S")
@@ -103,6 +109,13 @@ def config_from_args(args: argparse.Namespace):  # -> ProxyConfig
            if v is not None}
     if dec:
         cfg = rep(cfg, decision=rep(cfg.decision, **dec))
+    if args.tokenizer or args.no_cache_index:
+        ci = cfg.cache_index
+        if args.tokenizer:
+            ci = rep(ci, tokenizer=rep(ci.tokenizer, model=args.tokenizer))
+        if args.no_cache_index:
+            ci = rep(ci, enabled=False)
+        cfg = rep(cfg, cache_index=ci)
     if args.health_interval is not None:  # 0 is refused by validate(), not ignored
         cfg = rep(cfg, health=rep(cfg.health, interval_s=args.health_interval))
     if args.prefill_dns or args.decode_dns:

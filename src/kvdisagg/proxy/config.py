@@ -22,27 +22,10 @@ import msgspec
 import yaml
 
 from kvdisagg.errors import ConfigError
+from kvdisagg.proxy.cache_index import CacheIndexConfig
+from kvdisagg.proxy.targets import parse_hostport, parse_target
+from kvdisagg.proxy.types import Admission, PolicyName, Role
 from kvdisagg.tracing import OtlpEndpoint
-
-
-class Role(str, enum.Enum):
-    """Which side an instance serves; ``kv_both`` may be picked for either."""
-
-    PREFILL = "prefill"
-    DECODE = "decode"
-    BOTH = "kv_both"
-
-    def serves(self, side: "Role") -> bool:
-        return self is side or self is Role.BOTH
-
-
-class Admission(str, enum.Enum):
-    """What slo_aware does when no instance is predicted to meet the SLO."""
-
-    QUEUE = "queue"  # take the best instance anyway (the request waits in its queue)
-    SHED = "shed"  # answer 429 at once
-    COLOCATE = "colocate"  # skip prefill, run the whole request on a decode instance
-
 
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=86400)]
@@ -101,6 +84,10 @@ class RetryConfig(_Base):
     """Total decode tries before the first byte reaches the client."""
     decode_only_fallback: bool = True
     """No usable prefill: let decode recompute the prompt."""
+    migrations: Annotated[int, msgspec.Meta(ge=0, le=100)] = 2
+    """Mid-stream decode failures one streamed request survives: each moves it to another
+    decode (or the same once healthy) with the tokens already delivered (migrate.py); 0: off
+    (the stream ends with an error event)."""
 
 
 class TimeoutConfig(_Base):
@@ -130,8 +117,8 @@ class SloConfig(_Base):
 
 
 class PolicyConfig(_Base):
-    prefill: str = "round_robin"
-    decode: str = "round_robin"
+    prefill: PolicyName = PolicyName.ROUND_ROBIN
+    decode: PolicyName = PolicyName.ROUND_ROBIN
     prefix_block_chars: Annotated[int, msgspec.Meta(ge=1)] = 256
     """prefix_aware: hash the prompt's first N characters."""
     prefix_load_slack: Annotated[int, msgspec.Meta(ge=0)] = 4
@@ -194,7 +181,8 @@ class DiscoveryConfig(_Base):
 
 
 ADMIN_KEY_ENV = "KVDISAGG_ADMIN_KEY"
-_NAME = re.compile(r"(\*\.)?[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*")
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?"
+_NAME = re.compile(rf"(\*\.)?{_LABEL}(\.{_LABEL})*")  # a host name, or *.suffix
 
 
 class AdminConfig(_Base):
@@ -276,6 +264,8 @@ class ProxyConfig(_Base):
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
     discovery: DiscoveryConfig = msgspec.field(default_factory=DiscoveryConfig)
     decision: DecisionConfig = msgspec.field(default_factory=DecisionConfig)
+    cache_index: CacheIndexConfig = msgspec.field(default_factory=CacheIndexConfig)
+    """What each instance's prefix cache holds, from vLLM's KV events (cache_index.py)."""
     api_key: str | None = None
     """Replaces the client's Authorization on upstream legs."""
     admin: AdminConfig = msgspec.field(default_factory=AdminConfig)
@@ -304,9 +294,6 @@ class ProxyConfig(_Base):
             if inst.key in seen:
                 raise ConfigError(f"instance {inst.key} is listed twice")
             seen.add(inst.key)
-        from kvdisagg.proxy.discovery import parse_hostport, parse_target
-        from kvdisagg.proxy.policies import POLICIES
-
         d = cfg.discovery
         for key, items, parse in (("prefill_dns", d.prefill_dns, parse_target),
                                   ("decode_dns", d.decode_dns, parse_target),
@@ -318,10 +305,6 @@ class ProxyConfig(_Base):
                     raise ConfigError(f"discovery.{key}[{i}]: {exc}") from None
 
         _check_admin(cfg.admin, cfg.port)
-        for side, name in (("prefill", cfg.policy.prefill), ("decode", cfg.policy.decode)):
-            if name not in POLICIES:
-                raise ConfigError(f"policy.{side}: unknown policy {name!r}; "
-                                  f"choose one of {sorted(POLICIES)}")
         return cfg
 
 
@@ -368,13 +351,29 @@ def _convert(raw: Any, where: str) -> ProxyConfig:
         shown = isinstance(value, (int, float)) or (isinstance(value, str)
                                                       and repr(value) not in msg)
         got = f", got {value!r}" if shown else ""
-        raise ConfigError(f"{where}{key or '(top level)'}: {msg[:m.start()]}{got}") from None
+        choices = _enum_choices(key)
+        raise ConfigError(f"{where}{key or '(top level)'}: {msg[:m.start()]}{got}"
+                          f"{choices}") from None
+
+
+def _enum_choices(key: str) -> str:
+    """'; choose one of [...]' when ``key`` (``policy.prefill``) names an enum field."""
+    typ: Any = ProxyConfig
+    for part in re.findall(r"\w+", key):
+        fields = {f.name: f.type for f in msgspec.structs.fields(typ)} \
+            if isinstance(typ, type) and issubclass(typ, msgspec.Struct) else {}
+        if part not in fields:
+            return ""
+        typ = fields[part]
+    if isinstance(typ, type) and issubclass(typ, enum.Enum):
+        return f"; choose one of {sorted(m.value for m in typ)}"
+    return ""
 
 
 def load_config_file(path: str | Path) -> ProxyConfig:
     """Read a ``.yaml``/``.yml`` or ``.toml`` file into a ProxyConfig.
 
-    Bounds are checked here; ``validate()`` adds the URL and policy checks.
+    Bounds are checked here; ``validate()`` adds the URL, discovery and admin checks.
     """
     path = Path(path)
     try:

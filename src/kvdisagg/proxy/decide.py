@@ -27,8 +27,10 @@ from typing import NamedTuple, Protocol, Sequence
 
 from kvdisagg.proxy.body import ClientBody
 from kvdisagg.proxy.config import ProxyConfig
-from kvdisagg.proxy.policies import Policy, Selection, SloAware, Side, Verdict, load_score
+from kvdisagg.proxy.policies import Policy, RouteRequest, Selection, SloAware, Verdict, load_score
+from kvdisagg.proxy.prefix_index import BlockExtra
 from kvdisagg.proxy.registry import Instance, Registry
+from kvdisagg.proxy.types import Side
 
 
 class Route(str, enum.Enum):
@@ -37,9 +39,12 @@ class Route(str, enum.Enum):
 
 
 class CacheView(Protocol):
-    """What each instance's prefix cache holds of a prompt (proxy/prefix_index.py)."""
+    """What each instance's prefix cache holds of a prompt (cache_index.CacheIndex)."""
 
-    def cached_tokens(self, token_ids: Sequence[int]) -> dict[str, int]: ...
+    def cached_tokens(self, token_ids: Sequence[int], extra: BlockExtra = ...
+                      ) -> dict[str, int]: ...
+
+    def answering(self) -> list[str]: ...
 
 
 class Decision(NamedTuple):
@@ -52,29 +57,33 @@ class Decision(NamedTuple):
 
 
 class Decider:
-    def __init__(self, cfg: ProxyConfig, registry: Registry, decode_policy: Policy,
-                 cache: CacheView | None = None) -> None:
+    def __init__(self, cfg: ProxyConfig, registry: Registry, decode_policy: Policy) -> None:
         self.cfg = cfg
         self.registry = registry
         self.decode_policy = decode_policy
-        self.cache = cache
 
-    def choose_decode(self, body: ClientBody, cands: Sequence[Instance],
-                      hits: dict[str, int] | None = None) -> Selection:
-        """The decode holding the longest prefix unless overloaded, else the policy's pick."""
+    def choose(self, side: Side, policy: Policy, req: RouteRequest, cands: Sequence[Instance],
+               hits: dict[str, int] | None = None) -> Selection:
+        """The candidate holding the longest cached prefix of the prompt (``hits``: tokens
+        per instance URL), unless busier than the least loaded by more than
+        ``policy.prefix_load_slack``; else ``policy``'s pick. Prefill and decode alike."""
         if not cands:
             return Selection(None, Verdict.NO_CANDIDATE)
         if hits:
             w = self.cfg.policy.token_weight
-            least = min(load_score(c, Side.DECODE, w) for c in cands)
+            least = min(load_score(c, side, w) for c in cands)
             slack = self.cfg.policy.prefix_load_slack
             sticky = [c for c in cands if hits.get(c.url, 0) > 0
-                      and load_score(c, Side.DECODE, w) <= least + slack]
+                      and load_score(c, side, w) <= least + slack]
             if sticky:
                 return Selection(max(sticky, key=lambda c: (hits.get(c.url, 0),
-                                                            -load_score(c, Side.DECODE, w))),
+                                                            -load_score(c, side, w))),
                                  Verdict.OK)
-        return self.decode_policy.select(body.route, cands, Side.DECODE)
+        return policy.select(req, cands, side)
+
+    def choose_decode(self, body: ClientBody, cands: Sequence[Instance],
+                      hits: dict[str, int] | None = None) -> Selection:
+        return self.choose(Side.DECODE, self.decode_policy, body.route, cands, hits)
 
     def threshold(self, decode: Instance) -> int:
         """``local_prefill_tokens``, scaled by decode's TPOT headroom (1 when unmeasured)."""
@@ -84,11 +93,17 @@ class Decider:
         headroom = 1.0 - SloAware.predict_tpot(decode) / self.cfg.slo.tpot_s
         return int(base * min(1.0, max(0.0, headroom)))
 
-    def decide(self, body: ClientBody, token_ids: Sequence[int] | None = None) -> Decision:
-        hits = (self.cache.cached_tokens(token_ids)
-                if self.cache is not None and token_ids is not None else {})
-        sel = self.choose_decode(body, self.registry.candidates(Side.DECODE), hits)
-        prompt = len(token_ids) if token_ids is not None else body.route.prompt_tokens
+    def decide(self, body: ClientBody, prompt_tokens: int | None = None,
+               hits: dict[str, int] | None = None,
+               avoid: tuple[Instance, ...] = ()) -> Decision:
+        """``prompt_tokens``: the prompt's exact length when known (else the body's estimate);
+        ``hits``: cached prompt tokens per instance; ``avoid``: decode instances to choose
+        only when no other is routable."""
+        hits = hits or {}
+        cands = (self.registry.candidates(Side.DECODE, avoid)
+                 or self.registry.candidates(Side.DECODE))
+        sel = self.choose_decode(body, cands, hits)
+        prompt = prompt_tokens if prompt_tokens is not None else body.route.prompt_tokens
         decode = sel.instance
         if not isinstance(decode, Instance):  # none routable: the decode stage says so
             return Decision(Route.PD, "no_decode", sel, prompt, 0, 0)

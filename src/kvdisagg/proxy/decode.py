@@ -21,19 +21,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+import msgspec
 from aiohttp import web
 
+from kvdisagg.errors import UpstreamError, UpstreamTimeout
 from kvdisagg.proxy import body as bodies
-from kvdisagg.proxy.config import Admission
-from kvdisagg.proxy.errors import error_event, error_response
-from kvdisagg.proxy.legs import (RETRYABLE_STATUS, FailKind, LegFailure, LegScope, kind_of,
-                                 outcome_of, status_outcome)
-from kvdisagg.proxy.policies import Selection, Side, Verdict
+from kvdisagg.proxy.responses import error_event, error_response
+from kvdisagg.proxy.legs import (
+    RETRYABLE_STATUS,
+    FailKind,
+    LegFailure,
+    LegScope,
+    kind_of,
+    outcome_of,
+    status_outcome,
+)
+from kvdisagg.proxy.migrate import Tap, continuation, wants_token_ids
+from kvdisagg.proxy.policies import Selection, Verdict
 from kvdisagg.proxy.prefill import Prefilled, prefill
 from kvdisagg.proxy.registry import Instance, Outcome
-from kvdisagg.proxy.upstream import Response, UpstreamError, UpstreamTimeout
+from kvdisagg.proxy.types import Admission, Side
+from kvdisagg.proxy.upstream import Response
 from kvdisagg.tracing import event, traceparent_of
 
 if TYPE_CHECKING:
@@ -41,7 +51,31 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvdisagg.proxy")
 _now = time.perf_counter  # uvloop's loop.time() has 1 ms resolution: too coarse for TPOT
-ERROR_EVENT = b'data: {"error"'  # vLLM's streamed error, e.g. after a failed KV load
+
+
+class _Event(msgspec.Struct):
+    error: msgspec.Raw = msgspec.Raw(b"null")  # Raw cannot sit in a union
+
+
+_event = msgspec.json.Decoder(_Event).decode
+
+
+def error_of(payload: bytes) -> bytes | None:
+    """The ``error`` of one SSE event's JSON (vLLM's streamed error, e.g. after a failed KV
+    load), or None for any other event."""
+    try:
+        err = bytes(_event(payload).error)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return None if err == b"null" else err
+
+
+def first_error(chunk: bytes) -> bytes | None:
+    """The error the first event of ``chunk`` carries, if it is one."""
+    if not chunk.startswith(b"data: "):
+        return None
+    end = chunk.find(b"\n\n")
+    return error_of(chunk[6:end if end >= 0 else len(chunk)])
 _CLIENT_HIGH_WATER = 1 << 20  # client write buffer that pauses reading the decode stream
 
 
@@ -64,10 +98,17 @@ class _Failed(NamedTuple):
     reprefill: bool  # the handoff may be gone: prefill again before retrying
 
 
+def migratable(s: Serving, body: bodies.ClientBody) -> bool:
+    """A stream the proxy can move to another decode if its decode fails (migrate.py)."""
+    return (body.stream and body.n == 1 and not body.one_of_many
+            and s.cfg.retry.migrations > 0)
+
+
 async def open_decode(s: Serving, ctx: RequestCtx, pre: Prefilled,
-                      first: Selection | None = None) -> Opened | web.Response:
+                      first: Selection | None = None,
+                      avoid: tuple[Instance, ...] = ()) -> Opened | web.Response:
     """A decode leg that answered, or the client's error. ``first``: the decode the decision
-    chose (used for the first try)."""
+    chose (used for the first try); ``avoid``: instances to try only when no other is left."""
     cfg, reg = s.cfg, s.registry
     deadline = _now() + cfg.timeouts.decode_total_s  # the decode phase, retries included
     tried: list[Instance] = []
@@ -82,7 +123,8 @@ async def open_decode(s: Serving, ctx: RequestCtx, pre: Prefilled,
                 and first.instance in reg.candidates(Side.DECODE)):
             sel = first
         else:
-            cands = reg.candidates(Side.DECODE, tuple(tried))
+            cands = (reg.candidates(Side.DECODE, (*tried, *avoid))
+                     or reg.candidates(Side.DECODE, tuple(tried)))
             if not cands and answered:
                 # No other decode: one that answered with an error (typically a KV load that
                 # failed because its prefill died) gets the retry, with a fresh handoff.
@@ -127,7 +169,8 @@ async def _attempt(s: Serving, ctx: RequestCtx, inst: Instance, pre: Prefilled,
     t = s.cfg.timeouts
     span = s.tracer.start("decode_leg", traceparent_of(ctx.root), attributes={
         "kvdisagg.instance": inst.url, "kvdisagg.mode": pre.header}) if ctx.root else None
-    dbody = bodies.decode_body(ctx.body, pre.kv, traceparent_of(span))
+    dbody = bodies.decode_body(ctx.body, pre.kv, traceparent_of(span),
+                               token_ids=migratable(s, ctx.body))
     sent_at = _now()
     leg = LegScope(inst, Side.DECODE, ctx.body.route.max_tokens, s.metrics, span)
     try:
@@ -160,7 +203,7 @@ async def _attempt(s: Serving, ctx: RequestCtx, inst: Instance, pre: Prefilled,
             head: bytes | None = await resp.read(max(0.001, deadline - _now()))
         else:
             head = await resp.next_chunk(max(0.001, deadline - _now()))
-            if head is not None and head.startswith(ERROR_EVENT):
+            if head is not None and (error := first_error(head)) is not None:
                 resp.close()
                 # After a handoff the KV source may be at fault (a dead prefill): counted,
                 # but not against this decode's breaker.
@@ -168,7 +211,7 @@ async def _attempt(s: Serving, ctx: RequestCtx, inst: Instance, pre: Prefilled,
                          Outcome.BROKEN if pre.kv is None else Outcome.NEUTRAL)
                 return _Failed(LegFailure(
                     FailKind.ERROR_EVENT, f"decode {inst.url} answered with an error event: "
-                    f"{head[6:300].decode('utf-8', 'replace').strip()}", 502), True, True)
+                    f"{error[:300].decode('utf-8', 'replace')}", 502), True, True)
     except UpstreamError as exc:
         leg.fail(kind_of(exc), outcome_of(exc))
         return _Failed(LegFailure.of(exc, f"decode {inst.url} failed before the first "
@@ -201,65 +244,58 @@ def finish_body(s: Serving, ctx: RequestCtx, opened: Opened) -> tuple[web.Respon
 
 async def relay_stream(s: Serving, request: web.Request, ctx: RequestCtx,
                        opened: Opened) -> tuple[web.StreamResponse, str]:
-    """Pass decode's stream to the client byte for byte, timing it on the way. Only
-    ``deadline`` bounds the whole (a stream may take as long as generation), and
-    ``decode_idle_s`` the silence between chunks."""
-    t, m = s.cfg.timeouts, s.metrics
-    inst, resp, head, leg = opened.inst, opened.resp, opened.head, opened.leg
-    deadline = opened.sent_at + t.decode_total_s
-    out = _Stream(status=resp.status, headers=out_headers(ctx, opened, opened.pre.header))
+    """Pass decode's stream to the client, timing it on the way; a decode that fails mid-way
+    hands the rest of the answer to another one (migrate.py) up to ``retry.migrations``
+    times. Only ``decode_total_s`` bounds a leg (a stream may take as long as generation),
+    and ``decode_idle_s`` the silence between chunks."""
+    m = s.metrics
+    out = _Stream(status=opened.resp.status,
+                  headers=out_headers(ctx, opened, opened.pre.header))
     out.headers["Cache-Control"] = "no-cache"
     chunked = request.version >= (1, 1)
     if chunked:
         out.enable_chunked_encoding()
     first = _now()
     m.decode_first_token.observe(first - opened.sent_at)
-    event(leg.span, "first_token")
+    event(opened.leg.span, "first_token")
+    tap = (Tap(ctx.body.chat, strip=not wants_token_ids(ctx.body.fields))
+           if migratable(s, ctx.body) else None)
     stats = [0, first]  # SSE events seen, time of the last one
     outcome, result = "error", Outcome.BROKEN
+    leg, body, moves = opened, ctx.body, 0
     try:
+        head = await _first_events(leg, tap, s.cfg.timeouts.decode_idle_s)
         await out.prepare(request)
-        try:
-            if head is not None:
-                stats[0] = head.count(b"data:")
-                await out.write(head)  # with the headers, through aiohttp's writer
-                event(leg.span, "first_byte")
-                transport = request.transport
-                if transport is None:
-                    raise ConnectionResetError("client went away")
-
-                def sink(data: bytes) -> bool:
-                    """Runs in the upstream's data_received: write through, no task switch."""
-                    n = data.count(b"data:")
-                    if n:
-                        stats[0] += n
-                        if n > 1 or not data.startswith(b"data: [DONE]"):
-                            stats[1] = _now()  # a lone [DONE] carries no token
-                    if transport.is_closing():
-                        return True  # the relay's drain() then raises
-                    if chunked:  # the framing aiohttp's writer would add, in one write
-                        transport.write(b"%x\r\n%b\r\n" % (len(data), data))
-                    else:
-                        transport.write(data)
-                    return transport.get_write_buffer_size() > _CLIENT_HIGH_WATER
-
-                # request.writer.drain() waits until the client's transport drains
-                await resp.relay(sink, request.writer.drain, t.decode_idle_s,
-                                 max(0.001, deadline - _now()))
-            outcome, result = "ok", Outcome.OK
-        except UpstreamError as exc:
-            result = outcome_of(exc)
-            m.leg_error(inst.url, Side.DECODE, kind_of(exc).value)
-            log.warning("request %s: decode %s failed mid-stream: %s", ctx.rid, inst.url, exc)
-            await out.write(error_event(504 if isinstance(exc, UpstreamTimeout) else 502,
-                                        f"decode {inst.url} failed mid-stream: {exc}"))
+        if head:
+            stats[0] = head.count(b"data:")
+            await out.write(head)  # with the headers, through aiohttp's writer
+            event(leg.leg.span, "first_byte")
+        while True:
+            try:
+                await _pipe(s, request, leg, tap, chunked, stats)
+                outcome, result = "ok", Outcome.OK
+                break
+            except UpstreamError as exc:
+                leg.leg.fail(kind_of(exc), outcome_of(exc))
+                log.warning("request %s: decode %s failed mid-stream: %s", ctx.rid,
+                            leg.inst.url, exc)
+                moved = await _migrate(s, ctx, leg, tap, body, moves)
+                if not isinstance(moved, tuple):
+                    await out.write(error_event(504 if isinstance(exc, UpstreamTimeout)
+                                                else 502, f"decode {leg.inst.url} failed "
+                                                f"mid-stream: {exc}{moved}"))
+                    break
+                leg, tap, body = moved
+                moves += 1
+                if (more := await _first_events(leg, tap, s.cfg.timeouts.decode_idle_s)):
+                    await out.write(more)
         await out.write_eof()
     except (asyncio.CancelledError, ConnectionResetError):
         result, outcome = Outcome.CANCELLED, "cancelled"
-        resp.close()
+        leg.resp.close()
         raise
     finally:
-        leg.close(result, outcome)
+        leg.leg.close(result, outcome)
     events, last = stats
     if result is Outcome.OK:
         e2e = _now() - ctx.t0
@@ -271,9 +307,84 @@ async def relay_stream(s: Serving, request: web.Request, ctx: RequestCtx,
         tpot = (last - first) / (n_tokens - 1) if n_tokens >= 2 else None
         if tpot is not None:
             m.tpot.observe(tpot)
-            inst.observe_tpot(tpot)
-        m.judge(inst.url, e2e, ttft, tpot, None)
+            leg.inst.observe_tpot(tpot)
+        m.judge(leg.inst.url, e2e, ttft, tpot, None)
     return out, outcome
+
+
+async def _first_events(leg: Opened, tap: Tap | None, idle_s: float) -> bytes:
+    """The leg's first chunk as the client gets it: whole events (more is read if the first
+    chunk holds only part of one)."""
+    head = leg.head or b""
+    if tap is None:
+        return head
+    out = tap.feed(head)
+    while not out and leg.head is not None:
+        chunk = await leg.resp.next_chunk(idle_s)
+        if chunk is None:
+            break
+        out = tap.feed(chunk)
+    return out
+
+
+async def _pipe(s: Serving, request: web.Request, leg: Opened, tap: Tap | None,
+                chunked: bool, stats: list[Any]) -> None:
+    """The rest of ``leg``'s stream, from the upstream's data callback straight to the
+    client's transport (no task switch per event); raises UpstreamError if the leg fails."""
+    if leg.head is None:
+        return  # the stream ended with its first chunk
+    t = s.cfg.timeouts
+    transport = request.transport
+    if transport is None:
+        raise ConnectionResetError("client went away")
+
+    def sink(data: bytes) -> bool:
+        """Runs in the upstream's data_received: write through, no task switch."""
+        if tap is not None and not (data := tap.feed(data)):
+            return False
+        n = data.count(b"data:")
+        if n:
+            stats[0] += n
+            if n > 1 or not data.startswith(b"data: [DONE]"):
+                stats[1] = _now()  # a lone [DONE] carries no token
+        if transport.is_closing():
+            return True  # the relay's drain() then raises
+        if chunked:  # the framing aiohttp's writer would add, in one write
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        else:
+            transport.write(data)
+        return transport.get_write_buffer_size() > _CLIENT_HIGH_WATER
+
+    # request.writer.drain() waits until the client's transport drains
+    await leg.resp.relay(sink, request.writer.drain, t.decode_idle_s,
+                         max(0.001, leg.sent_at + t.decode_total_s - _now()))
+
+
+async def _migrate(s: Serving, ctx: RequestCtx, leg: Opened, tap: Tap | None,
+                   body: bodies.ClientBody, moves: int
+                   ) -> tuple[Opened, Tap, bodies.ClientBody] | str:
+    """The continuation of a broken stream on another decode, or why there is none (a
+    suffix for the client's error message)."""
+    if tap is None:
+        return ""
+    if moves >= s.cfg.retry.migrations:
+        s.metrics.migration("exhausted")
+        return f" (after {moves} migrations)"
+    nxt = continuation(body, tap, s.cfg.policy.prefix_block_chars)
+    if nxt is None:
+        s.metrics.migration("impossible")
+        return ""
+    opened = await s.open(ctx.with_body(nxt), avoid=(leg.inst,))
+    if not isinstance(opened, Opened) or not 200 <= opened.resp.status < 300:
+        if isinstance(opened, Opened):
+            opened.leg.close(Outcome.OK)
+        s.metrics.migration("failed")
+        return "; migrating it failed too"
+    s.metrics.migration("ok")
+    event(ctx.root, "migrated")
+    log.warning("request %s: migrated after %d tokens from %s to %s", ctx.rid, len(tap.ids),
+                leg.inst.url, opened.inst.url)
+    return opened, Tap(ctx.body.chat, tap.strip, resumed=tap), nxt
 
 
 class _Stream(web.StreamResponse):

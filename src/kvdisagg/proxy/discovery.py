@@ -28,75 +28,21 @@ import logging
 import ssl
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 from urllib.parse import urlsplit
 
 import msgspec
 
-from kvdisagg.errors import ConfigError
-from kvdisagg.proxy.config import (
-    DiscoveryConfig,
-    InstanceSpec,
-    KubernetesDiscovery,
-    Role,
-)
-
-if TYPE_CHECKING:
-    from kvdisagg.proxy.registry import Registry
+from kvdisagg.errors import ConfigError, DiscoveryError
+from kvdisagg.proxy.admin import add_instance, drain_instance
+from kvdisagg.proxy.config import DiscoveryConfig, InstanceSpec, KubernetesDiscovery
+from kvdisagg.proxy.registry import Registry
+from kvdisagg.proxy.targets import Target, parse_hostport, parse_target, url_for
+from kvdisagg.proxy.types import Role
 
 log = logging.getLogger("kvdisagg.proxy")
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
-
-
-class DiscoveryError(Exception):
-    """A source could not be read; its last good answer stands."""
-
-
-# parsing
-class Target(NamedTuple):
-    """One configured DNS name: ``srv`` True for SRV records, else A/AAAA with ``port``."""
-
-    name: str
-    port: int | None
-    srv: bool
-
-
-def parse_hostport(text: str) -> tuple[str, int]:
-    """``host:port`` or ``[v6]:port``; ValueError says what is wrong."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host:
-        raise ValueError(f"{text!r} is not host:port")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:
-        raise ValueError(f"{text!r}: write an IPv6 address as [addr]:port")
-    try:
-        p = int(port)
-    except ValueError:
-        raise ValueError(f"{text!r}: port {port!r} is not a number") from None
-    if not 1 <= p <= 65535:
-        raise ValueError(f"{text!r}: port {p} is not in 1-65535")
-    return host, p
-
-
-def parse_target(text: str) -> Target:
-    """``host:port`` (A/AAAA) or ``srv:_service._proto.name`` (SRV)."""
-    if text.startswith("srv:"):
-        name = text[4:].strip()
-        if not name or ":" in name:
-            raise ValueError(f"{text!r}: SRV form is srv:_http._tcp.name (no port: "
-                             "SRV records carry it)")
-        return Target(name, None, True)
-    host, port = parse_hostport(text)
-    return Target(host, port, False)
-
-
-def url_for(host: str, port: int) -> str:
-    host = host.rstrip(".")
-    if ":" in host:  # IPv6 literal
-        host = f"[{host}]"
-    return f"http://{host}:{port}"
 
 
 def srv_urls(records: Iterable[tuple[str, int]]) -> list[str]:
@@ -536,7 +482,7 @@ def make_sources(cfg: DiscoveryConfig) -> list[Source]:
 
 
 # the diff
-class Plan(NamedTuple):
+class Changes(NamedTuple):
     add: list[InstanceSpec]  # new: add and probe
     drain: list[str]  # discovered, vanished: drain then remove
     undrain: list[str]  # discovered, vanished, back before its drain ended
@@ -555,7 +501,7 @@ def desired(answers: Iterable[tuple[Role, list[str]]]) -> tuple[dict[str, Role],
 
 
 def plan(want: dict[str, Role], owned: dict[str, Role], present: Iterable[str],
-         draining: Iterable[str]) -> Plan:
+         draining: Iterable[str]) -> Changes:
     """What to change. ``owned``: URLs discovery added (and has not removed yet); ``present``:
     every URL in the registry (static, admin-added, discovered); ``draining``: owned URLs whose
     drain is under way. Only owned URLs are ever drained or undrained."""
@@ -569,7 +515,7 @@ def plan(want: dict[str, Role], owned: dict[str, Role], present: Iterable[str],
             add.append(InstanceSpec(url=url, role=role))
     drain = [u for u, role in owned.items()
              if u not in draining and want.get(u) is not role]  # gone, or now the other role
-    return Plan(add, drain, undrain)
+    return Changes(add, drain, undrain)
 
 
 class Discovery:
@@ -609,7 +555,7 @@ class Discovery:
         """Whether a source lists ``url`` now (the admin API may then add it back)."""
         return any(url in urls for urls in self.last.values())
 
-    async def sync(self) -> Plan:
+    async def sync(self) -> Changes:
         """One round: resolve every source, then add, drain and undrain."""
         await asyncio.gather(*(self._resolve(i, s) for i, s in enumerate(self.sources)))
         want, clash = desired((s.role, self.last.get(i, [])) for i, s in enumerate(self.sources))
@@ -617,8 +563,6 @@ class Discovery:
             log.warning("discovery: %s is listed as both prefill and decode; kept as %s",
                         u, want[u].value)
         p = plan(want, self.owned, self.registry.instances, self.drains)
-        from kvdisagg.proxy.admin import add_instance
-
         for url in p.undrain:
             self.drains.pop(url).cancel()
             self.registry.undrain(url)
@@ -637,8 +581,6 @@ class Discovery:
         return p
 
     async def _drain(self, url: str) -> None:
-        from kvdisagg.proxy.admin import drain_instance
-
         try:
             drained, _ = await drain_instance(self.registry, url, self.drain_timeout_s,
                                               remove=True, force=True)

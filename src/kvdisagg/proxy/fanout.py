@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from aiohttp import web
 
+from kvdisagg.errors import UpstreamError, UpstreamTimeout
 from kvdisagg.proxy import body as bodies
-from kvdisagg.proxy.decode import ERROR_EVENT, Opened, out_headers
-from kvdisagg.proxy.errors import error_event
+from kvdisagg.proxy.decode import Opened, out_headers
+from kvdisagg.proxy.responses import error_event
 from kvdisagg.proxy.legs import FailKind, kind_of, outcome_of
 from kvdisagg.proxy.registry import Outcome
-from kvdisagg.proxy.upstream import UpstreamError, UpstreamTimeout
 
 if TYPE_CHECKING:
     from kvdisagg.proxy.serving import RequestCtx, Serving
@@ -177,9 +177,9 @@ async def _merge_streams(s: Serving, request: web.Request, ctx: RequestCtx,
                 for payload in events.feed(chunk):
                     if payload == b"[DONE]":
                         continue
-                    if payload.startswith(ERROR_EVENT[6:]):
-                        raise _StreamFailed(b"data: " + payload + b"\n\ndata: [DONE]\n\n")
                     doc = _decode(payload)
+                    if "error" in doc:
+                        raise _StreamFailed(b"data: " + payload + b"\n\ndata: [DONE]\n\n")
                     if not first_id:
                         first_id.append(doc.get("id", ""))
                     doc["id"] = first_id[0]  # one id throughout, as one vLLM request has

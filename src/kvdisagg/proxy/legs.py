@@ -13,10 +13,10 @@ from typing import Any, NamedTuple
 
 from aiohttp import web
 
+from kvdisagg.errors import Abandoned, ConnectError, UpstreamError, UpstreamTimeout
 from kvdisagg.proxy.metrics import Metrics
-from kvdisagg.proxy.policies import Side
 from kvdisagg.proxy.registry import Instance, Outcome
-from kvdisagg.proxy.upstream import Abandoned, ConnectError, UpstreamError, UpstreamTimeout
+from kvdisagg.proxy.types import Side
 from kvdisagg.tracing import end
 
 RETRYABLE_STATUS = frozenset((408, 429))

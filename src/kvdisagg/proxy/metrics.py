@@ -12,11 +12,11 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from typing import Iterable
+from typing import Any, Iterable
 
 from kvdisagg.proxy.config import SloConfig
-from kvdisagg.proxy.policies import Side
 from kvdisagg.proxy.registry import Registry
+from kvdisagg.proxy.types import Side
 
 P = "kvdisagg_proxy_"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -66,6 +66,9 @@ class Metrics:
         self.errors: dict[tuple[str, str, str], int] = {}
         self.missing_kv: dict[str, int] = {}
         self.routes: dict[tuple[str, str], int] = {}
+        self.migrations: dict[str, int] = {}
+        self.predicted_hits: dict[str, int] = {}
+        self.cache = None  # the cache index (app.py sets it), for its per-instance gauges
         self.rejections: dict[str, int] = {}
         self.discovery_errors: dict[tuple[str, str], int] = {}
         self.ttft = Histogram(P + "ttft_seconds", "Time to first token (streaming).",
@@ -100,6 +103,16 @@ class Metrics:
         decode alone (``decode_only``), and why."""
         k = (route, reason)
         self.routes[k] = self.routes.get(k, 0) + 1
+
+    def predicted_hit(self, url: str, tokens: int) -> None:
+        """Prompt tokens the index predicted ``url`` would reuse for a request sent there;
+        compare with vLLM's own vllm:prefix_cache_hits_total on that instance."""
+        self.predicted_hits[url] = self.predicted_hits.get(url, 0) + tokens
+
+    def migration(self, outcome: str) -> None:
+        """A stream whose decode failed mid-way: moved (``ok``), or not (``failed``,
+        ``exhausted``: retry.migrations used up, ``impossible``: nothing to resume from)."""
+        self.migrations[outcome] = self.migrations.get(outcome, 0) + 1
 
     def rejected(self, reason: str) -> None:
         self.rejections[reason] = self.rejections.get(reason, 0) + 1
@@ -178,6 +191,18 @@ class Metrics:
             f"alone (route=decode_only), by reason.\n# TYPE {P}routed_total counter\n")
         for (route, reason), n in sorted(self.routes.items()):
             add(f"{P}routed_total{_labels(route=route, reason=reason)} {n}\n")
+        add(f"# HELP {P}migrations_total Streams whose decode failed mid-way, by outcome "
+            f"(ok: moved to another decode).\n# TYPE {P}migrations_total counter\n")
+        for outcome, n in sorted(self.migrations.items()):
+            add(f"{P}migrations_total{_labels(outcome=outcome)} {n}\n")
+        add(f"# HELP {P}predicted_cached_tokens_total Prompt tokens the cache index "
+            f"predicted each decode would reuse, over the requests sent to it (compare with "
+            f"its vllm:prefix_cache_hits_total).\n"
+            f"# TYPE {P}predicted_cached_tokens_total counter\n")
+        for url, n in sorted(self.predicted_hits.items()):
+            add(f"{P}predicted_cached_tokens_total{_labels(instance=url)} {n}\n")
+        if self.cache is not None:
+            _render_index(self.cache.status(), add)
         add(f"# HELP {P}rejected_total Requests turned away before any leg, with Retry-After.\n"
             f"# TYPE {P}rejected_total counter\n")
         for reason, n in sorted(self.rejections.items()):
@@ -203,3 +228,24 @@ class Metrics:
                 add(f"{P}instance_goodput_rps{_labels(instance=inst.url)} "
                     f"{per.get(inst.url, 0.0)}\n")
         return "".join(out)
+
+
+_INDEX_COUNTERS = ("events", "gaps", "restarts", "replays", "replay_failures", "drops",
+                   "invalid")
+
+
+def _render_index(status: Iterable[Any], add: Any) -> None:
+    """The cache index's per-instance state (cache_index.InstanceStatus)."""
+    rows = list(status)
+    add(f"# HELP {P}cache_index_live 1 while the index answers for the instance (its KV "
+        f"events followed), else 0.\n# TYPE {P}cache_index_live gauge\n")
+    for st in rows:
+        add(f"{P}cache_index_live{_labels(instance=st.url, state=st.state.value)} "
+            f"{int(st.state.value == 'live')}\n")
+    add(f"# TYPE {P}cache_index_blocks gauge\n")
+    for st in rows:
+        add(f"{P}cache_index_blocks{_labels(instance=st.url)} {st.blocks}\n")
+    for name in _INDEX_COUNTERS:
+        add(f"# TYPE {P}cache_index_{name}_total counter\n")
+        for st in rows:
+            add(f"{P}cache_index_{name}_total{_labels(instance=st.url)} {getattr(st, name)}\n")

@@ -2,9 +2,9 @@
 
 A policy only selects. It does no I/O and never blocks; what it reads (in-flight counts, vLLM
 queue gauges scraped by the registry, live latency estimates) is kept current by
-``registry.py`` and the stages of ``serving.py``. Prefill and decode each get their own policy instance, so
-``--prefill-policy prefix_aware --decode-policy least_loaded`` works. A new policy is a small
-class with ``name`` and ``select``, added to ``POLICIES``.
+``registry.py`` and the stages of ``serving.py``. Prefill and decode each get their own
+policy instance, so ``--prefill-policy prefix_aware --decode-policy least_loaded`` works. A new
+policy is a small class with ``name`` and ``select``, added to ``POLICIES``.
 
 Each policy's doc says: why choose it / what it does / inputs / configuration.
 """
@@ -17,14 +17,10 @@ from dataclasses import dataclass
 from typing import ClassVar, NamedTuple, Protocol, Sequence
 
 from kvdisagg.proxy.config import PolicyConfig, SloConfig
+from kvdisagg.proxy.types import PolicyName, Side
 
-__all__ = ["Side", "RouteRequest", "InstanceView", "Verdict", "Selection", "Policy",
+__all__ = ["RouteRequest", "InstanceView", "Verdict", "Selection", "Policy",
            "RoundRobin", "LeastLoaded", "PrefixAware", "SloAware", "POLICIES", "make_policy"]
-
-
-class Side(str, enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +63,7 @@ _NONE = Selection(None, Verdict.NO_CANDIDATE)
 
 
 class Policy(Protocol):
-    name: ClassVar[str]
+    name: ClassVar[PolicyName]
 
     def select(self, req: RouteRequest, candidates: Sequence[InstanceView],
                side: Side) -> Selection: ...
@@ -78,7 +74,7 @@ class RoundRobin:
     **What:** cycles through the candidates in registry order.
     **Inputs:** none. **Configuration:** none."""
 
-    name: ClassVar[str] = "round_robin"
+    name: ClassVar[PolicyName] = PolicyName.ROUND_ROBIN
 
     def __init__(self, cfg: PolicyConfig | None = None, slo: SloConfig | None = None) -> None:
         self._next = 0
@@ -105,7 +101,7 @@ class LeastLoaded:
     **Inputs:** in-flight legs and tokens per side, vLLM's queue gauges from ``/metrics``.
     **Configuration:** ``policy.token_weight`` (default 1/512: 512 tokens weigh one request)."""
 
-    name: ClassVar[str] = "least_loaded"
+    name: ClassVar[PolicyName] = PolicyName.LEAST_LOADED
 
     def __init__(self, cfg: PolicyConfig | None = None, slo: SloConfig | None = None) -> None:
         self.token_weight = (cfg or PolicyConfig()).token_weight
@@ -140,7 +136,7 @@ class PrefixAware:
     **Inputs:** the prompt prefix, in-flight legs. **Configuration:** ``policy.prefix_block_chars``,
     ``policy.prefix_load_slack``."""
 
-    name: ClassVar[str] = "prefix_aware"
+    name: ClassVar[PolicyName] = PolicyName.PREFIX_AWARE
 
     def __init__(self, cfg: PolicyConfig | None = None, slo: SloConfig | None = None) -> None:
         cfg = cfg or PolicyConfig()
@@ -170,7 +166,7 @@ class SloAware:
     **Inputs:** live per-instance estimates, in-flight tokens, vLLM's waiting queue.
     **Configuration:** ``slo.ttft_s``, ``slo.tpot_s``, ``slo.admission``."""
 
-    name: ClassVar[str] = "slo_aware"
+    name: ClassVar[PolicyName] = PolicyName.SLO_AWARE
 
     def __init__(self, cfg: PolicyConfig | None = None, slo: SloConfig | None = None) -> None:
         self.slo = slo or SloConfig()
@@ -205,14 +201,17 @@ class SloAware:
         return Selection(best, verdict, pred)
 
 
-POLICIES: dict[str, type[RoundRobin] | type[LeastLoaded] | type[PrefixAware] | type[SloAware]] = {
+POLICIES: dict[PolicyName,
+               type[RoundRobin] | type[LeastLoaded] | type[PrefixAware] | type[SloAware]] = {
     p.name: p for p in (RoundRobin, LeastLoaded, PrefixAware, SloAware)
 }
+assert set(POLICIES) == set(PolicyName), "a policy name without its class, or the reverse"
 
 
-def make_policy(name: str, cfg: PolicyConfig, slo: SloConfig) -> Policy:
+def make_policy(name: PolicyName | str, cfg: PolicyConfig, slo: SloConfig) -> Policy:
     try:
-        cls = POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}") from None
+        cls = POLICIES[PolicyName(name)]
+    except ValueError:
+        raise ValueError(f"unknown policy {name!r}; choose one of "
+                         f"{sorted(p.value for p in PolicyName)}") from None
     return cls(cfg, slo)

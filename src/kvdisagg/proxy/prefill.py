@@ -22,14 +22,21 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from aiohttp import web
 
+from kvdisagg.errors import UpstreamError
 from kvdisagg.proxy import body as bodies
-from kvdisagg.proxy.config import Admission
-from kvdisagg.proxy.errors import error_body, error_response
-from kvdisagg.proxy.legs import (RETRYABLE_STATUS, FailKind, LegFailure, LegScope, kind_of,
-                                 outcome_of, status_outcome)
-from kvdisagg.proxy.policies import Side, Verdict
+from kvdisagg.proxy.responses import error_body, error_response
+from kvdisagg.proxy.legs import (
+    RETRYABLE_STATUS,
+    FailKind,
+    LegFailure,
+    LegScope,
+    kind_of,
+    outcome_of,
+    status_outcome,
+)
+from kvdisagg.proxy.policies import Verdict
 from kvdisagg.proxy.registry import Instance, Outcome
-from kvdisagg.proxy.upstream import UpstreamError
+from kvdisagg.proxy.types import Admission, Side
 from kvdisagg.tracing import traceparent_of
 
 if TYPE_CHECKING:
@@ -59,8 +66,10 @@ async def prefill(s: Serving, ctx: RequestCtx) -> Prefilled | web.Response:
     failures: list[LegFailure] = []
     missing_kv = False
     for attempt in range(cfg.retry.prefill_attempts):
-        sel = s.prefill_policy.select(ctx.body.route, reg.candidates(Side.PREFILL, tuple(tried)),
-                                      Side.PREFILL)
+        # The prefill holding the longest cached prefix of the prompt (KV events), weighed
+        # with load; without a prediction, the prefill policy's pick.
+        sel = s.decider.choose(Side.PREFILL, s.prefill_policy, ctx.body.route,
+                               reg.candidates(Side.PREFILL, tuple(tried)), ctx.hits)
         inst = sel.instance
         if inst is None:
             break

@@ -18,13 +18,15 @@ import asyncio
 import enum
 import logging
 import time
+from collections.abc import Callable
 
 import msgspec
 
+from kvdisagg.errors import UpstreamError, UpstreamTimeout
 from kvdisagg.proxy.breaker import BreakerState, CircuitBreaker
-from kvdisagg.proxy.config import InstanceSpec, ProxyConfig, Role
-from kvdisagg.proxy.policies import Side
-from kvdisagg.proxy.upstream import Pool, UpstreamError, UpstreamTimeout
+from kvdisagg.proxy.config import InstanceSpec, ProxyConfig
+from kvdisagg.proxy.types import Role, Side
+from kvdisagg.proxy.upstream import Pool
 
 log = logging.getLogger("kvdisagg.proxy")
 
@@ -35,6 +37,14 @@ class State(str, enum.Enum):
     ACTIVE = "active"
     DRAINING = "draining"  # no new work; in-flight legs finish
     REMOVED = "removed"
+
+
+class MemberEvent(enum.Enum):
+    """What ``Registry.listeners`` hear about an instance."""
+
+    ADDED = "added"
+    REMOVED = "removed"
+    RECOVERED = "recovered"  # healthy again after being unhealthy (it may have restarted)
 
 
 class Outcome(enum.Enum):
@@ -76,6 +86,7 @@ class Instance:
         self.state = State.ACTIVE
         self.healthy = False  # until the first probe answers
         self.probed = False
+        self.probed_unhealthy = False  # found unhealthy once: a later recovery is news
         self.ok_streak = 0
         self.fail_streak = 0
         self.last_probe_error: str | None = "not probed yet"
@@ -94,6 +105,7 @@ class Instance:
         self.idle = asyncio.Event()
         self.idle.set()
         self.pool = Pool(self.url)
+        self.on_recovered: Callable[[Instance], None] = lambda inst: None
 
     # InstanceView
     def in_flight(self, side: Side) -> int:
@@ -185,7 +197,11 @@ class Instance:
             (log.info if healthy else log.warning)("instance %s (%s) is now %s%s", self.url, self.role.value,
                         "healthy" if healthy else "unhealthy",
                         "" if healthy else f": {self.last_probe_error}")
+        recovered = healthy and not self.healthy and self.probed_unhealthy
+        self.probed_unhealthy = self.probed_unhealthy or not healthy
         self.healthy = healthy
+        if recovered:
+            self.on_recovered(self)
         if healthy:
             self.breaker.reset()
         elif self.last_probe_dead:  # a slow instance still answers the legs it has
@@ -218,15 +234,23 @@ class Registry:
         self.instances: dict[str, Instance] = {}
         self._cache: dict[Side, list[Instance]] = {}
         self._task: asyncio.Task[None] | None = None
+        self.listeners: list[Callable[[MemberEvent, Instance], None]] = []
+        """Told of every instance added, removed or recovered (the cache index follows)."""
+
+    def _tell(self, event: MemberEvent, inst: Instance) -> None:
+        for listener in self.listeners:
+            listener(event, inst)
 
     # membership
     def add(self, spec: InstanceSpec) -> Instance:
         if spec.key in self.instances:
             raise ValueError(f"instance {spec.key} is already in the fleet")
         inst = Instance(spec, self.cfg)
+        inst.on_recovered = lambda i: self._tell(MemberEvent.RECOVERED, i)
         self.instances[inst.url] = inst
         self._cache.clear()
         log.info("added %s instance %s", inst.role.value, inst.url)
+        self._tell(MemberEvent.ADDED, inst)
         return inst
 
     def get(self, url: str) -> Instance:
@@ -262,6 +286,7 @@ class Registry:
         inst.pool.close()  # idle connections go; legs in flight finish, then close theirs
         self._cache.clear()
         log.info("removed instance %s", inst.url)
+        self._tell(MemberEvent.REMOVED, inst)
         return inst
 
     def members(self, side: Side) -> list[Instance]:

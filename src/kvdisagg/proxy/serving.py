@@ -22,15 +22,19 @@ from typing import Any
 
 from aiohttp import web
 
+from kvdisagg.errors import BodyError
 from kvdisagg.proxy import body as bodies
 from kvdisagg.proxy.config import ProxyConfig
 from kvdisagg.proxy.decide import CacheView, Decider, Route
 from kvdisagg.proxy.decode import Opened, finish_body, open_decode, relay_stream
-from kvdisagg.proxy.errors import error_response
+from kvdisagg.proxy.responses import error_response
 from kvdisagg.proxy.metrics import Metrics
 from kvdisagg.proxy.policies import Policy
 from kvdisagg.proxy.prefill import Prefilled, prefill
-from kvdisagg.proxy.registry import Registry
+from kvdisagg.proxy.prefix_index import BlockExtra
+from kvdisagg.proxy.registry import Instance, Registry
+from kvdisagg.proxy.tokens import RequestTokenizer
+from kvdisagg.proxy.types import Side
 from kvdisagg.tracing import Tracer, end, traceparent_of, valid_traceparent
 
 _RID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -40,12 +44,13 @@ _now = time.perf_counter
 class RequestCtx:
     """What every stage of one request reads."""
 
-    __slots__ = ("rid", "body", "path", "headers", "t0", "root")
+    __slots__ = ("rid", "body", "path", "headers", "t0", "root", "hits")
 
     def __init__(self, rid: str, body: bodies.ClientBody, path: str, headers: bytes, t0: float,
                  root: Any) -> None:
         self.rid, self.body, self.path, self.headers = rid, body, path, headers
         self.t0, self.root = t0, root
+        self.hits: dict[str, int] = {}  # prompt tokens each instance caches (predicted)
 
     def leg_headers(self, span: Any) -> bytes:
         """The legs' headers, with the leg's W3C ``traceparent``: vLLM's own tracing
@@ -61,13 +66,16 @@ class RequestCtx:
 class Serving:
     def __init__(self, cfg: ProxyConfig, registry: Registry, metrics: Metrics,
                  prefill_policy: Policy, decode_policy: Policy,
-                 tracer: Tracer = Tracer.disabled(), cache: CacheView | None = None) -> None:
+                 tracer: Tracer = Tracer.disabled(), cache: CacheView | None = None,
+                 tokenizer: RequestTokenizer | None = None) -> None:
         self.cfg = cfg
         self.tracer = tracer
         self.registry = registry
         self.metrics = metrics
         self.prefill_policy = prefill_policy
-        self.decider = Decider(cfg, registry, decode_policy, cache)
+        self.decider = Decider(cfg, registry, decode_policy)
+        self.cache = cache  # what each instance caches (None: no index)
+        self.tokenizer = tokenizer
         self.idle = asyncio.Event()
         self.idle.set()
         self.shutting_down = False
@@ -140,7 +148,7 @@ class Serving:
                 "error"
         try:
             body = bodies.parse(raw, chat, self.cfg.policy.prefix_block_chars)
-        except bodies.BodyError as exc:
+        except BodyError as exc:
             return error_response(400, str(exc)), "error"
         rid = self.request_id(request)
         if root is not None:
@@ -157,9 +165,19 @@ class Serving:
             return await relay_stream(self, request, ctx, opened)
         return finish_body(self, ctx, opened)
 
-    async def open(self, ctx: RequestCtx) -> Opened | web.Response:
-        """Decide, prefill if disaggregated, and open a decode leg that answered."""
-        decision = self.decider.decide(ctx.body, ctx.body.token_ids)
+    async def open(self, ctx: RequestCtx, avoid: tuple[Instance, ...] = ()
+                   ) -> Opened | web.Response:
+        """Decide, prefill if disaggregated, and open a decode leg that answered. ``avoid``:
+        decode instances to use only when no other is left (a migrated stream's)."""
+        ids = await self.token_ids(ctx.body)
+        if ids is not None and self.cache is not None:
+            try:
+                ctx.hits = self.cache.cached_tokens(ids, BlockExtra(
+                    lora_name=None, cache_salt=_str(ctx.body.fields.get("cache_salt"))))
+            except ValueError:  # ids the index cannot hold: no prediction
+                ctx.hits = {}
+        decision = self.decider.decide(ctx.body, len(ids) if ids is not None else None,
+                                       ctx.hits, avoid)
         if ctx.root is not None:
             ctx.root.set_attributes({"kvdisagg.route": decision.route.value,
                                      "kvdisagg.reason": decision.reason,
@@ -173,4 +191,25 @@ class Serving:
             pre = Prefilled(None, decision.reason)
         self.metrics.routed("pd" if pre.kv is not None else "decode_only",
                             decision.reason if pre.kv is not None else pre.local_reason)
-        return await open_decode(self, ctx, pre, decision.decode)
+        if decision.cached_tokens and isinstance(decision.decode.instance, Instance):
+            self.metrics.predicted_hit(decision.decode.instance.url, decision.cached_tokens)
+        return await open_decode(self, ctx, pre, decision.decode, avoid)
+
+    async def token_ids(self, body: bodies.ClientBody) -> list[int] | None:
+        """The prompt's token ids when they matter: sent by the client, or worked out (the
+        tokenizer: in process, or vLLM's /tokenize) when the cache index answers for some
+        instance; else None (the decision then counts an estimate)."""
+        if body.token_ids is not None:
+            return body.token_ids
+        if body.forwarded_ids is not None:
+            return body.forwarded_ids
+        if self.cache is None or self.tokenizer is None or not self.cache.answering():
+            return None
+        decode = self.registry.candidates(Side.DECODE)
+        prompts = await self.tokenizer.token_ids(body.fields, body.chat,
+                                                 decode[0].pool if decode else None)
+        return prompts[0] if prompts is not None and len(prompts) == 1 else None
+
+
+def _str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None

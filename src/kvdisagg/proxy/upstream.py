@@ -17,32 +17,11 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from kvdisagg.errors import Abandoned, ConnectError, UpstreamError, UpstreamTimeout
+
 __all__ = ["UpstreamError", "ConnectError", "UpstreamTimeout", "Abandoned", "Response", "Pool"]
 
 _PAUSE_AT = 1 << 20  # bytes buffered before we stop reading the upstream socket
-
-
-class UpstreamError(Exception):
-    """The upstream leg failed; ``sent`` says whether the request may have reached the server."""
-
-    def __init__(self, message: str, *, sent: bool = True) -> None:
-        super().__init__(message)
-        self.sent = sent
-
-
-class ConnectError(UpstreamError):
-    """No connection could be made: the server never saw the request."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, sent=False)
-
-
-class UpstreamTimeout(UpstreamError):
-    pass
-
-
-class Abandoned(UpstreamError):
-    """The pool's owner gave up waiting (``Pool.fail_waiting``), e.g. its health probes failed."""
 
 
 class _Conn(asyncio.Protocol):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -27,6 +28,17 @@ def kv_transfer_args(role: str, extra: dict[str, Any] | None = None,
     return ["--kv-transfer-config", json.dumps(config)]
 
 
+def kv_events_args(name: str) -> list[str]:
+    """``--kv-events-config`` for an instance on this host: vLLM's publisher bound to a local
+    socket file (vLLM binds ``ipc://`` endpoints; a ``tcp://host:port`` one would make it
+    connect instead) and its replay endpoint on loopback, so nothing listens beyond this
+    host. The proxy's cache index finds both through ``GET /kv_event_sources``."""
+    sock = Path(tempfile.gettempdir()) / f"kvdisagg-kv-events-{name}-{free_port()}.sock"
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc://{sock}",
+              "replay_endpoint": f"tcp://127.0.0.1:{free_port()}", "topic": "kv"}
+    return ["--kv-events-config", json.dumps(events)]
+
+
 class Fleet:
     """Prefill + decode (+ an optional plain reference instance) + ``kvdisagg proxy``."""
 
@@ -37,34 +49,44 @@ class Fleet:
                  prefill_args: Sequence[str] = (), decode_args: Sequence[str] = (),
                  reference_args: Sequence[str] = (), proxy_args: Sequence[str] = (),
                  binds: dict[str, str | None] | None = None,
-                 env: dict[str, str] | None = None, always_disaggregate: bool = True) -> None:
+                 env: dict[str, str] | None = None, always_disaggregate: bool = True,
+                 prefills: int = 1, kv_events: bool = False) -> None:
         """``always_disaggregate``: the proxy sends every request through prefill (what tests
-        of the handoff want); False: the proxy decides per request, as it does by default."""
+        of the handoff want); False: the proxy decides per request, as it does by default.
+        ``prefills``: how many prefill instances (``self.prefills``; ``self.prefill`` is the
+        first), all with the same arguments and binding. ``kv_events``: prefill and decode
+        publish vLLM's KV cache events (``kv_events_args``) and the proxy tokenizes with the
+        model's tokenizer, so its cache index predicts what each instance holds."""
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = log_dir
         bind = {"prefill": "0", "decode": "1", "reference": "nobind", **(binds or {})}
-        self.prefill = VllmServer(model, log_path=log_dir / "prefill.log",
-                                  omp_threads_bind=bind["prefill"],
-                                  extra_args=[*kv_transfer_args("kv_producer", prefill_extra,
-                                                                prefill_failure_policy),
-                                              *prefill_args],
-                                  env=env)
+        self.prefills = [
+            VllmServer(model, log_path=log_dir / (f"prefill{i}.log" if i else "prefill.log"),
+                       omp_threads_bind=bind["prefill"],
+                       extra_args=[*kv_transfer_args("kv_producer", prefill_extra,
+                                                     prefill_failure_policy), *prefill_args,
+                                   *(kv_events_args(f"prefill{i}") if kv_events else ())],
+                       env=env)
+            for i in range(prefills)]
+        self.prefill = self.prefills[0]
         self.decode = VllmServer(model, log_path=log_dir / "decode.log",
                                  omp_threads_bind=bind["decode"], env=env,
                                  extra_args=[*kv_transfer_args("kv_consumer", decode_extra,
                                                                decode_failure_policy),
-                                             *decode_args])
+                                             *decode_args,
+                                             *(kv_events_args("decode") if kv_events else ())])
         self.reference = (VllmServer(model, log_path=log_dir / "reference.log",
                                      omp_threads_bind=bind["reference"], env=env,
                                      extra_args=list(reference_args))
                           if reference else None)
         self.proxy_port = free_port()
-        self.proxy_args = ["--always-disaggregate"] * always_disaggregate + list(proxy_args)
+        self.proxy_args = (["--always-disaggregate"] * always_disaggregate
+                           + ["--tokenizer", str(model)] * kv_events + list(proxy_args))
         self.proxy: subprocess.Popen[bytes] | None = None
 
     @property
     def servers(self) -> list[VllmServer]:
-        return [s for s in (self.prefill, self.decode, self.reference) if s is not None]
+        return [s for s in (*self.prefills, self.decode, self.reference) if s is not None]
 
     @property
     def proxy_url(self) -> str:
@@ -75,7 +97,8 @@ class Fleet:
             server.start()
         log = open(self.log_dir / "proxy.log", "wb")
         self.proxy = subprocess.Popen(
-            [sys.executable, "-m", "kvdisagg.cli", "proxy", "--prefill", self.prefill.base_url,
+            [sys.executable, "-m", "kvdisagg.cli", "proxy",
+             "--prefill", *(p.base_url for p in self.prefills),
              "--decode", self.decode.base_url, "--host", "127.0.0.1",
              "--port", str(self.proxy_port), *self.proxy_args],
             stdout=log, stderr=subprocess.STDOUT)

@@ -1,4 +1,6 @@
-"""OpenAI-style error bodies, so OpenAI clients surface the message instead of a parse error."""
+"""OpenAI-style error responses, so OpenAI clients surface the message instead of a parse error.
+
+(The exceptions themselves are in kvdisagg.errors.)"""
 
 from __future__ import annotations
 

@@ -1,0 +1,143 @@
+"""Request migration: a stream whose decode fails mid-way goes on on another decode (issue 18).
+
+The proxy holds what it needs to finish such a request elsewhere: the request, the prompt's
+token ids and the token ids already delivered. So every streamed decode leg asks vLLM for token
+ids (``return_token_ids``); ``Tap`` reads them off the events as they pass, and takes them out
+again when the client did not ask for them (the bytes the client gets are then those of a plain
+vLLM stream). When the leg fails mid-stream, ``continuation`` builds the request that finishes
+the answer: the prompt plus the delivered tokens as its prompt (completions: the token ids;
+chat: vLLM's forwarded ``kv_transfer_params.prompt_token_ids``, so the chat template is not
+applied twice), ``max_tokens`` (and ``min_tokens``) reduced by what was delivered. That request
+runs through the usual stages (decide, prefill, decode) on another instance; its events reach
+the client under the original id, without a second role chunk, and its usage is rewritten to
+cover the whole answer. Greedy answers are identical to an uninterrupted run; seeded sampling
+restarts its generator at the break (docs/proxy.md says what is and is not reproduced).
+
+Only ``n == 1`` streams migrate (a break in one of n interleaved samples cannot be resumed
+alone); non-streamed requests need no migration: nothing was delivered, the decode stage
+retries them whole.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+from kvdisagg.proxy import body as bodies
+
+_decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
+
+_TOKEN_IDS = re.compile(rb'"token_ids":(\[[0-9, ]*\])')
+_PROMPT_IDS = re.compile(rb'"prompt_token_ids":(\[[0-9, ]*\])')
+# What a plain vLLM stream carries where return_token_ids would have put ids (vLLM 0.32):
+# completions keep both keys as null, chat omits them.
+_CHAT_TOKEN_IDS = re.compile(rb',"token_ids":\[[0-9, ]*\]')
+_CHAT_PROMPT_IDS = re.compile(rb',"prompt_token_ids":\[[0-9, ]*\],"prompt_text":null')
+
+
+def wants_token_ids(fields: dict[str, Any]) -> bool:
+    return fields.get("return_token_ids") is True
+
+
+class Tap:
+    """One streamed leg seen event by event: the token ids it delivered, its id, and its
+    bytes as the client should get them. ``feed`` returns whole events only (a partial one
+    waits for the rest)."""
+
+    __slots__ = ("chat", "strip", "carry", "prompt_ids", "ids", "id", "resumed", "skip_role",
+                 "base")
+
+    def __init__(self, chat: bool, strip: bool, resumed: Tap | None = None) -> None:
+        self.chat, self.strip = chat, strip
+        self.carry = b""
+        self.prompt_ids: list[int] | None = resumed.prompt_ids if resumed else None
+        self.ids: list[int] = list(resumed.ids) if resumed else []
+        self.base = len(self.ids)  # tokens delivered before this leg (its prompt's tail)
+        self.id: bytes = resumed.id if resumed else b""
+        self.resumed = resumed is not None
+        self.skip_role = self.resumed and chat  # the client already has the role chunk
+
+    def feed(self, data: bytes) -> bytes:
+        data = self.carry + data
+        cut = data.rfind(b"\n\n") + 2
+        if cut < 2:
+            self.carry = data
+            return b""
+        self.carry, data = data[cut:], data[:cut]
+        if self.prompt_ids is None and (m := _PROMPT_IDS.search(data)):
+            self.prompt_ids = _decode(m.group(1))  # a continuation keeps the original's
+        for m in _TOKEN_IDS.finditer(data):
+            self.ids += _decode(m.group(1))
+        if not self.id and (m := re.search(rb'"id":"([^"]*)"', data)):
+            self.id = m.group(1)
+        if self.resumed:
+            data = self._as_original(data)
+        if self.strip:
+            if self.chat:
+                data = _CHAT_PROMPT_IDS.sub(b"", _CHAT_TOKEN_IDS.sub(b"", data))
+            else:
+                data = _PROMPT_IDS.sub(b'"prompt_token_ids":null',
+                                       _TOKEN_IDS.sub(b'"token_ids":null', data))
+        return data
+
+    def _as_original(self, data: bytes) -> bytes:
+        """A continuation's events as events of the request the client sent."""
+        out = []
+        for event in data.split(b"\n\n"):
+            if not event.startswith(b"data: {"):
+                out.append(event)
+                continue
+            if self.skip_role and b'"role":"assistant"' in event:
+                self.skip_role = False
+                continue
+            doc = None
+            if b'"usage":{' in event:  # usage: of the whole answer, not the continuation's
+                doc = _decode(event[6:])
+                _shift_usage(doc.get("usage"), self.base)
+            m = re.search(rb'"id":"([^"]*)"', event)
+            if doc is not None:
+                doc["id"] = self.id.decode()
+                event = b"data: " + _encode(doc)
+            elif m is not None:
+                event = event[:m.start(1)] + self.id + event[m.end(1):]
+            out.append(event)
+        return b"\n\n".join(out)
+
+
+def _shift_usage(usage: Any, delivered: int) -> None:
+    """A continuation's usage counts the delivered tokens as prompt: give them back."""
+    if not isinstance(usage, dict):
+        return
+    if isinstance(usage.get("prompt_tokens"), int):
+        usage["prompt_tokens"] -= delivered
+    if isinstance(usage.get("completion_tokens"), int):
+        usage["completion_tokens"] += delivered
+
+
+def continuation(body: bodies.ClientBody, tap: Tap, prefix_chars: int
+                 ) -> bodies.ClientBody | None:
+    """The request that finishes ``body``'s answer after the tokens ``tap`` delivered; None
+    when it cannot be built (prompt ids unknown, nothing left to generate)."""
+    if tap.prompt_ids is None or body.n != 1:
+        return None
+    fields = dict(body.fields)
+    delivered = len(tap.ids) - tap.base  # by this leg; ``body`` already counts the earlier
+    key = ("max_completion_tokens" if body.chat and "max_completion_tokens" in fields
+           else "max_tokens")
+    limit = fields.get(key)
+    if isinstance(limit, int):
+        if limit - delivered <= 0:
+            return None
+        fields[key] = limit - delivered
+    if isinstance(fields.get("min_tokens"), int):
+        fields["min_tokens"] = max(0, fields["min_tokens"] - delivered)
+    fields["return_token_ids"] = True
+    ids = [*tap.prompt_ids, *tap.ids]
+    if body.chat:
+        out = bodies.parse(_encode(fields), True, prefix_chars)
+        return out._replace(forwarded_ids=ids, slo=body.slo)
+    fields["prompt"], fields["echo"] = ids, False
+    return bodies.parse(_encode(fields), False, prefix_chars)._replace(slo=body.slo)

@@ -1,0 +1,135 @@
+"""The per-request decision on real vLLM instances (issue 15): a proxy that decides, over the
+session fleet's prefill and decode (which publish their KV cache events), next to the fleet's
+plain instance as the baseline.
+
+- a long fresh prompt is disaggregated: KV moves (decode's pull counter), tokens identical;
+- its follow-up (the prompt, the answer, a little more) is served by decode alone from its
+  prefix cache: no pull, the index's predicted hit is what vLLM reports, tokens identical;
+- a short prompt is served by decode alone.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvdisagg.testing.servers import free_port
+
+from .conftest import LOG_DIR, metric, post, prompt_ids
+
+pytestmark = pytest.mark.e2e
+GEN = {"model": "tiny", "temperature": 0, "max_tokens": 16, "ignore_eos": True,
+       "return_token_ids": True}
+
+
+@pytest.fixture(scope="module")
+def deciding(fleet, model: Path):
+    """``kvdisagg proxy`` as users run it (it decides), over the fleet's pair."""
+    port = free_port()
+    log = open(LOG_DIR / "deciding-proxy.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "kvdisagg.cli", "proxy", "--prefill",
+                             fleet.prefill.base_url, "--decode", fleet.decode.base_url,
+                             "--host", "127.0.0.1", "--port", str(port), "--tokenizer",
+                             str(model), "--local-prefill-tokens", "256"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # ready, and its index follows both instances
+            try:
+                text = urllib.request.urlopen(url + "/metrics", timeout=2).read().decode()
+                if text.count('kvdisagg_proxy_cache_index_live{') >= 2 and all(
+                        line.endswith(" 1") for line in text.splitlines()
+                        if line.startswith("kvdisagg_proxy_cache_index_live{")):
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise AssertionError(f"the deciding proxy's index never went live: "
+                                 f"{(LOG_DIR / 'deciding-proxy.log').read_text()[-2000:]}")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(15)
+
+
+def complete(base: str, prompt: list[int]) -> tuple[list[int], str]:
+    req = urllib.request.Request(base + "/v1/completions",
+                                 json.dumps({**GEN, "prompt": prompt}).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())["choices"][0]["token_ids"], r.headers.get(
+            "X-Kvdisagg-Handoff", "")
+
+
+def settled(base: str, name: str, **labels: str) -> float:
+    """A counter once vLLM's stats interval has passed (engine stats are published on one)."""
+    time.sleep(1.5)
+    return metric(base, name, **labels)
+
+
+def test_long_fresh_prompt_is_disaggregated_and_its_follow_up_served_by_decode(fleet, deciding):
+    d = fleet.decode.base_url
+    prompt = prompt_ids(1200, seed=777)
+    pulls = metric(d, "vllm:kvdisagg_pulls_total")
+    tokens, route = complete(deciding, prompt)
+    assert route == "pd"
+    assert tokens == complete(fleet.reference.base_url, prompt)[0]
+    assert settled(d, "vllm:kvdisagg_pulls_total") - pulls == 1  # the KV really moved
+
+    follow_up = [*prompt, *tokens, *prompt_ids(60, seed=778)]
+    hits = metric(d, "vllm:prefix_cache_hits_total")
+    predicted = metric(deciding, "kvdisagg_proxy_predicted_cached_tokens_total",
+                       instance=d)
+    pulls = metric(d, "vllm:kvdisagg_pulls_total")
+    tokens, route = complete(deciding, follow_up)
+    assert route == "decode_only:cached_prefix"
+    assert tokens == complete(fleet.reference.base_url, follow_up)[0]
+    assert settled(d, "vllm:kvdisagg_pulls_total") == pulls  # nothing pulled
+    got = metric(d, "vllm:prefix_cache_hits_total") - hits
+    said = metric(deciding, "kvdisagg_proxy_predicted_cached_tokens_total",
+                  instance=d) - predicted
+    assert said >= 1152 and got == said  # the index predicted exactly what vLLM reused
+
+
+def test_short_prompt_is_served_by_decode_alone(fleet, deciding):
+    prompt = prompt_ids(100, seed=779)
+    pulls = metric(fleet.decode.base_url, "vllm:kvdisagg_pulls_total")
+    prefills = metric(deciding, "kvdisagg_proxy_instance_requests_total", side="prefill")
+    tokens, route = complete(deciding, prompt)
+    assert route == "decode_only:short_prompt"
+    assert tokens == complete(fleet.reference.base_url, prompt)[0]
+    assert metric(deciding, "kvdisagg_proxy_instance_requests_total", side="prefill") == prefills
+    assert settled(fleet.decode.base_url, "vllm:kvdisagg_pulls_total") == pulls
+
+
+def test_chat_follow_up_turn_stays_on_decode(fleet, deciding):
+    """Text chat: the proxy's own tokenizer and chat template give the ids the index needs."""
+    system = "You answer questions about the sea and its songs. " * 40
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system},
+                                      {"role": "user", "content": "What does it sing?"}]
+    body = {"model": "tiny", "temperature": 0, "max_tokens": 16, "ignore_eos": True}
+    status, first = post(deciding + "/v1/chat/completions", {**body, "messages": messages})
+    assert status == 200, first
+    answer = first["choices"][0]["message"]["content"]
+    messages += [{"role": "assistant", "content": answer},
+                 {"role": "user", "content": "And at night?"}]
+    req = urllib.request.Request(deciding + "/v1/chat/completions",
+                                 json.dumps({**body, "messages": messages}).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        route = r.headers["X-Kvdisagg-Handoff"]
+        got = json.loads(r.read())["choices"][0]["message"]["content"]
+    assert route == "decode_only:cached_prefix"
+    status, ref = post(fleet.reference.base_url + "/v1/chat/completions",
+                       {**body, "messages": messages})
+    assert got == ref["choices"][0]["message"]["content"]
