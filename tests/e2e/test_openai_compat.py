@@ -180,12 +180,15 @@ async def acall(client: openai.AsyncOpenAI, endpoint: str, kw: dict[str, Any],
         return error_of(exc)
 
 
+def pair(fleet: Any, cls: type) -> tuple[Any, Any]:
+    """A client of the plain instance and one of the proxy."""
+    return tuple(cls(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+                 for url in (fleet.reference.base_url, fleet.proxy_url))
+
+
 @pytest.fixture(scope="module")
 def clients(fleet):
-    def pair(cls: type) -> tuple[Any, Any]:
-        return tuple(cls(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
-                     for url in (fleet.reference.base_url, fleet.proxy_url))
-    return pair(openai.OpenAI), pair(openai.AsyncOpenAI)
+    return pair(fleet, openai.OpenAI), None  # async clients belong to their test's loop
 
 
 CASES = ([("completions", k, False) for k in COMPLETIONS] +
@@ -209,12 +212,12 @@ def test_same_answer_as_a_plain_instance(clients, endpoint, case, stream):
     ("completions", "n2-seeded", True), ("completions", "prompt-list", True),
     ("completions", "prompt-list-n2-seeded", False), ("chat", "n2-seeded", True),
     ("chat", "greedy", False), ("completions", "bad-n", False)])
-def test_async_client_concurrently(clients, endpoint, case, stream):
+def test_async_client_concurrently(fleet, endpoint, case, stream):
     """The async SDK, several requests at once (P/D under a little load)."""
     kw = (COMPLETIONS if endpoint == "completions" else CHAT)[case]
-    _, (plain, pd) = clients
 
     async def both() -> tuple[list[Any], list[Any]]:
+        plain, pd = pair(fleet, openai.AsyncOpenAI)
         want = await asyncio.gather(*(acall(plain, endpoint, kw, stream) for _ in range(3)))
         got = await asyncio.gather(*(acall(pd, endpoint, kw, stream) for _ in range(3)))
         return list(want), list(got)

@@ -376,3 +376,14 @@ def test_several_prompts_streamed_ask_decode_for_no_token_ids() -> None:
             assert b'"token_ids":[' not in data
             assert all("return_token_ids" not in s["body"] for s in env.decode[0].seen)
     run(t())
+
+
+def test_echo_streams_ask_decode_for_no_token_ids() -> None:
+    """vLLM echoes no prompt text when return_token_ids is set: an echo stream is not tapped."""
+    async def t() -> None:
+        async with proxy() as env:
+            r = await env.client.post("/v1/completions", json={
+                "model": "tiny", "prompt": "hi", "max_tokens": 2, "stream": True, "echo": True})
+            assert r.status == 200
+            assert "return_token_ids" not in env.decode[0].seen[0]["body"]
+    run(t())

@@ -100,8 +100,9 @@ class _Failed(NamedTuple):
 
 def migratable(s: Serving, body: bodies.ClientBody) -> bool:
     """A stream the proxy can move to another decode if its decode fails (migrate.py)."""
+    # echo: vLLM echoes no prompt text when return_token_ids is set, so it is not asked.
     return (body.stream and body.n == 1 and not body.one_of_many
-            and s.cfg.retry.migrations > 0)
+            and body.fields.get("echo") is not True and s.cfg.retry.migrations > 0)
 
 
 async def open_decode(s: Serving, ctx: RequestCtx, pre: Prefilled,
