@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import socket
-from typing import Any, Sequence
+from typing import Any
 
-from kvdisagg.layout import CopyRun, run_tensor
-from kvdisagg.transport.pull import Deadline
+from kvdisagg.layout import span_tensor, spans
+from kvdisagg.transport.pull import Deadline, PullPlan
 from kvdisagg.transport.tcp import TcpTransport
 
 
@@ -19,9 +19,8 @@ class CorruptingTcpTransport(TcpTransport):
 
     name = "tcp"  # prefill serves it as tcp
 
-    def recv(self, peer: Any, sock: socket.socket, runs: Sequence[CopyRun],
-             deadline: Deadline) -> None:
-        super().recv(peer, sock, runs, deadline)
-        for run in runs:
-            tensor = run_tensor(self.regions, run, "dst")
+    def recv(self, peer: Any, sock: socket.socket, plan: PullPlan, deadline: Deadline) -> None:
+        super().recv(peer, sock, plan, deadline)
+        for span in spans(self.regions, plan.slices, plan.runs, "dst"):
+            tensor = span_tensor(self.regions, span)
             tensor.copy_(tensor.flip(-1))  # same bytes, wrong places: plausible but wrong

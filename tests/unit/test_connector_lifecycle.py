@@ -408,9 +408,17 @@ def _forge(params: dict, case: str) -> dict:
             p["kvdisagg"]["token"] = 12345
         case "flag-not-a-bool":
             p["do_remote_prefill"] = "yes"
-        case "tp-mismatch":
-            p["kvdisagg"]["ports"] = [p["remote_port"], p["remote_port"] + 1]
+        case "ports-for-another-shape":  # TP 2 x PP 1 is two ranks, not three
+            p["kvdisagg"]["ports"] = [p["remote_port"]] * 3
             p["tp_size"] = 2
+        case "tp-cannot-shard-the-heads":  # the model has 2 KV heads: TP 3 is no vLLM instance
+            p["kvdisagg"]["ports"] = [p["remote_port"]] * 3
+            p["tp_size"] = 3
+        case "stages-past-the-layers":  # the model has 2 layers
+            p["kvdisagg"]["ports"] = [p["remote_port"]] * 2
+            p["kvdisagg"]["stages"] = [0, 5]
+        case "stages-not-from-0":
+            p["kvdisagg"]["stages"] = [1]
         case "too-few-blocks":
             p["remote_block_ids"] = [100]
         case _:
@@ -420,7 +428,12 @@ def _forge(params: dict, case: str) -> dict:
 
 FORGED = ["missing-block-ids", "missing-extras", "missing-token", "block-ids-not-a-list",
           "negative-block-id", "port-out-of-range", "ports-not-a-list", "token-not-a-string",
-          "flag-not-a-bool", "tp-mismatch", "too-few-blocks"]
+          "flag-not-a-bool", "ports-for-another-shape", "tp-cannot-shard-the-heads",
+          "stages-past-the-layers", "stages-not-from-0", "too-few-blocks"]
+WHY = {"ports-for-another-shape": "3 side-channel ports for its 2 ranks",
+       "tp-cannot-shard-the-heads": "prefill TP 3 cannot shard the model's 2 KV heads",
+       "stages-past-the-layers": "not a split of the model's 2 layers",
+       "stages-not-from-0": "not a split of the model's 2 layers"}
 
 
 @pytest.mark.parametrize("case", FORGED)
@@ -431,6 +444,7 @@ def test_decode_forged_params_give_a_load_error(make, case):
     s = h.step()
     (load,) = s.meta.loads
     assert load.req_id == rid and load.error
+    assert WHY.get(case, "") in load.error
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     s = h.step(failed_recving={rid})  # the worker fails an errored load at once
     assert req.status == RequestStatus.FINISHED_ERROR

@@ -81,6 +81,7 @@ TRANSPORT = "tcp"
 CONNECTOR_STATE_EXEMPT = frozenset({
     "ports",  # from the handshake
     "_free_slots",  # prefill's free staging-arena blocks (not per request)
+    "shape",  # this instance's TP and PP stages (from the handshake)
 })
 
 # A config.json is all vLLM's ModelConfig needs (skip_tokenizer_init): Llama shape of

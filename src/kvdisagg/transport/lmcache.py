@@ -13,6 +13,10 @@ CacheEngineKey), spoken over our own socket with a deadline on every call: LMCac
 connector that already owns vLLM's KV memory does not want. Keys and bytes are what LMCache's
 server stores; nothing here is a copy of its protocol.
 
+Chunks are per prefill rank (its layers, its heads), keyed by the prefill instance's shape
+(TP, PP stages) and the rank: a decode rank of another shape fetches the chunks of the prefill
+ranks its Parts name (sharding.py) and keeps the layers and heads it holds.
+
 The server trusts its clients (any client can read any key) and its CPU backend never evicts:
 run it on the serving network only, sized for the working set (docs/operations.md).
 """
@@ -27,7 +31,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, NamedTuple, Sequence
 
 import torch
 from lmcache.utils import CacheEngineKey
@@ -38,8 +42,10 @@ from lmcache.v1.protocol import (ClientCommand, ClientMetaMessage, ServerMetaMes
 from kvdisagg.config import LMCACHE_URL, ConnectorConfig
 from kvdisagg.errors import (ConfigError, PeerUnreachable, TransferFailed, TransferTimeout,
                              TransportError)
-from kvdisagg.layout import LayerRegion, check_blocks, copy_runs, run_tensor
+from kvdisagg.layout import (KvGeometry, LayerRegion, check_blocks, copy_runs, span_tensor,
+                             spans, whole_slices)
 from kvdisagg.protocol import recv_into_exact, recv_into_views, send_views
+from kvdisagg.sharding import Shape
 from kvdisagg.transport.base import Fetch, Offer, PullTiming
 from kvdisagg.transport.pull import Deadline
 from kvdisagg.transport.tcp import host_bytes
@@ -60,10 +66,11 @@ class Chunk:
 
 
 def chunk_plan(prompt: Sequence[int], *, kv_layout: str, block_size: int, chunk_tokens: int,
-               rank: int) -> list[Chunk]:
-    """The chunks of ``prompt``: full ones, then a partial last one. Key i hashes the layout and
-    tokens [0, end of chunk i), so equal prefixes give equal keys on every host. The layout
-    fingerprint already covers the TP size, so LMCache's ``world_size`` field is left at 1."""
+               rank: int, shape: Shape = Shape(1)) -> list[Chunk]:
+    """The chunks of ``prompt`` stored by rank ``rank`` of an instance of shape ``shape``: full
+    ones, then a partial last one. Key i hashes the layout and tokens [0, end of chunk i), so
+    equal prefixes give equal keys on every host; the shape is in the key's model name, so
+    LMCache's ``world_size`` field is left at 1."""
     blocks_per_chunk = chunk_tokens // block_size
     digest = hashlib.blake2b(kv_layout.encode(), digest_size=16)
     chunks = []
@@ -72,7 +79,7 @@ def chunk_plan(prompt: Sequence[int], *, kv_layout: str, block_size: int, chunk_
         digest.update(struct.pack(f"<{len(tokens)}q", *tokens))
         step = digest.copy()
         step.update(struct.pack("<q", len(tokens)))  # a partial chunk never equals a full one
-        key = CacheEngineKey(model_name=f"kvdisagg-{kv_layout}", world_size=1,
+        key = CacheEngineKey(model_name=f"kvdisagg-{kv_layout}-{shape.key()}", world_size=1,
                              worker_id=rank, chunk_hash=int.from_bytes(step.digest(), "big"),
                              dtype=torch.uint8)
         chunks.append(Chunk(index, key, index * blocks_per_chunk,
@@ -173,15 +180,17 @@ class PrefixLookup:
     """Scheduler side of a prefill instance: how many leading tokens of a prompt are already
     stored (whole chunks, on every TP rank), so vLLM loads them instead of computing them."""
 
-    def __init__(self, config: ConnectorConfig, block_size: int, tp_size: int) -> None:
-        self.config, self.block_size, self.tp_size = config, block_size, tp_size
+    def __init__(self, config: ConnectorConfig, block_size: int) -> None:
+        self.config, self.block_size = config, block_size
         self._client = LMCacheClient(config.lmcache_url)
         self._lock = threading.Lock()
 
-    def __call__(self, prompt: Sequence[int], kv_layout: str) -> int:
+    def __call__(self, prompt: Sequence[int], kv_layout: str, shape: Shape) -> int:
+        """Leading tokens of ``prompt`` stored by every rank of this instance (of ``shape``)."""
         chunk_tokens = self.config.lmcache_chunk_tokens
         plans = [chunk_plan(prompt, kv_layout=kv_layout, block_size=self.block_size,
-                            chunk_tokens=chunk_tokens, rank=rank) for rank in range(self.tp_size)]
+                            chunk_tokens=chunk_tokens, rank=rank, shape=shape)
+                 for rank in range(shape.world)]
         deadline = Deadline(min(self.config.transfer_timeout_seconds, 2.0), "LMCache lookup")
         tokens = 0
         try:
@@ -200,16 +209,16 @@ class PrefixLookup:
         self._client.close()
 
 
-class _Geometry:
-    """Where block k of a chunk sits inside the chunk's bytes (layer-major)."""
+class _ChunkLayer(NamedTuple):
+    """One layer of a stored chunk (a page of the rank that stored it per block) and where
+    its bytes go here: ``region`` (-1: nowhere), ``nbytes`` from ``src_offset`` of each page
+    into ``dst_offset`` of the region's block."""
 
-    def __init__(self, regions: Sequence[LayerRegion], blocks: int) -> None:
-        self.page_bytes = [r.page_bytes for r in regions]
-        self.layer_offsets, offset = [], 0
-        for page in self.page_bytes:
-            self.layer_offsets.append(offset)
-            offset += page * blocks
-        self.nbytes = offset
+    page: int
+    region: int
+    src_offset: int
+    nbytes: int
+    dst_offset: int
 
 
 class LMCacheTransport:
@@ -218,6 +227,8 @@ class LMCacheTransport:
 
     def __init__(self, config: ConnectorConfig, tp_rank: int = 0) -> None:
         self.config, self.tp_rank = config, tp_rank
+        self.rank, self.shape = tp_rank, Shape(1)
+        self.geometry: KvGeometry | None = None
         self.regions: list[LayerRegion] = []
         self.kv_layout, self.block_size = "", 0
         self._local = threading.local()
@@ -230,11 +241,19 @@ class LMCacheTransport:
 
     # ---- Transport ------------------------------------------------------------------------
     def register(self, regions: Sequence[LayerRegion], *, kv_layout: str, block_size: int,
-                 is_producer: bool) -> int:
+                 is_producer: bool, geometry: KvGeometry | None = None,
+                 rank: int | None = None, shape: Shape | None = None) -> int:
+        """``rank``/``shape``: this worker's rank and its instance's parallelism (the keys of
+        what it stores)."""
         if self.config.lmcache_chunk_tokens % block_size:
             raise ConfigError(f"lmcache_chunk_tokens={self.config.lmcache_chunk_tokens} must be "
                               f"a multiple of vLLM's block size {block_size}")
         self.regions, self.kv_layout, self.block_size = list(regions), kv_layout, block_size
+        self.geometry = geometry
+        if rank is not None:
+            self.rank = rank
+        if shape is not None:
+            self.shape = shape
         self._host = [host_bytes(r.pages) if r.pages.device.type == "cpu" else None
                       for r in self.regions]
         if is_producer:
@@ -243,10 +262,13 @@ class LMCacheTransport:
             self._store_thread.start()
         return 0  # no side channel: the server is the rendezvous
 
-    def chunks(self, prompt: Sequence[int]) -> list[Chunk]:
+    def chunks(self, prompt: Sequence[int], rank: int | None = None,
+               shape: Shape | None = None) -> list[Chunk]:
+        """The chunks rank ``rank`` of an instance of ``shape`` stores (default: this one)."""
         return chunk_plan(prompt, kv_layout=self.kv_layout, block_size=self.block_size,
                           chunk_tokens=self.config.lmcache_chunk_tokens,
-                          rank=self.tp_rank)
+                          rank=self.rank if rank is None else rank,
+                          shape=self.shape if shape is None else shape)
 
     def offer(self, offer: Offer) -> None:
         self._stores.put(offer)
@@ -269,46 +291,89 @@ class LMCacheTransport:
         if fetch.first_block < 0 or wanted.stop > prompt_blocks:
             raise TransferFailed(f"blocks {wanted.start}..{wanted.stop - 1} asked of a "
                                  f"{len(fetch.prompt_token_ids)}-token prompt")
+        part = fetch.part
+        if part is not None and not part.layers:
+            return 0  # a release-only Part: the store keeps nothing per reader
+        layout = self._chunk_layout(fetch)
         client = self._client()
         nbytes = 0
-        for chunk in self.chunks(fetch.prompt_token_ids):
+        chunks = (self.chunks(fetch.prompt_token_ids) if part is None else
+                  self.chunks(fetch.prompt_token_ids, part.src, fetch.prefill or self.shape))
+        for chunk in chunks:
             blocks = range(chunk.first_block, chunk.first_block + chunk.num_blocks)
             needed = [b for b in blocks if b in wanted]
             if not needed:
                 continue
             dst = {b: fetch.local_block_ids[b - fetch.first_block] for b in needed}
             if all(h is not None for h in self._host):
-                parts = self._scatter_views(blocks, dst)
+                parts = self._scatter_views(blocks, dst, layout)
                 while not client.get_into(chunk.key, parts, deadline):
                     time.sleep(min(POLL_S, deadline.left()))
             else:
-                self._fetch_staged(client, chunk, dst, deadline)
-            nbytes += len(needed) * sum(r.page_bytes for r in self.regions)
+                self._fetch_staged(client, chunk, dst, layout, deadline)
+            nbytes += len(needed) * sum(c.nbytes for c in layout)
         return nbytes
 
-    def _scatter_views(self, blocks: range, dst: dict[int, int]) -> list[memoryview]:
-        """Where each page of a chunk goes (layer-major): its decode block, or a discard page
-        for blocks decode already holds."""
-        parts = []
-        for host, region in zip(self._host, self.regions):
-            page = region.page_bytes
-            discard = memoryview(bytearray(page)) if len(dst) < len(blocks) else None
+    def _chunk_layout(self, fetch: Fetch) -> list[_ChunkLayer]:
+        """The layers of a chunk of the rank read (layer-major) and where each goes here."""
+        if fetch.part is None:
+            return [_ChunkLayer(r.page_bytes, i, 0, r.page_bytes, 0)
+                    for i, r in enumerate(self.regions)]
+        part = fetch.part
+        if self.geometry is None:
+            raise TransferFailed("lmcache: no KV geometry registered; cannot map a Part")
+        prefill = fetch.prefill or self.shape
+        stage = part.src // prefill.tp
+        index = {r.layer: i for i, r in enumerate(self.regions)}
+        head = self.geometry.head_bytes
+        out = []
+        for layer in prefill.layers(stage, self.geometry.layers):
+            i = index.get(layer, -1) if layer in part.layers else -1
+            if i >= 0 and part.dst_head + part.heads > self.regions[i].heads:
+                raise TransferFailed(f"lmcache: heads {part.dst_head}..{part.dst_head + part.heads - 1}"
+                                     f" are not held here")
+            out.append(_ChunkLayer(part.src_width * head, i, part.src_head * head,
+                                   part.heads * head if i >= 0 else 0, part.dst_head * head))
+        return out
+
+    def _scatter_views(self, blocks: range, dst: dict[int, int],
+                       layout: list[_ChunkLayer]) -> list[memoryview]:
+        """Where each byte of a chunk goes (layer-major): into its decode block (the heads
+        read, at this rank's heads), or a discard buffer (blocks decode already holds, layers
+        or heads it does not)."""
+        parts: list[memoryview] = []
+        discard = memoryview(bytearray(max(c.page for c in layout)))
+        for page, i, offset, nbytes, into in layout:
+            if i < 0:
+                parts.extend(discard[:page] for _ in blocks)
+                continue
+            host, mine = self._host[i], self.regions[i]
             for b in blocks:
-                parts.append(host[dst[b] * page:(dst[b] + 1) * page] if b in dst else discard)
+                if b not in dst:
+                    parts.append(discard[:page])
+                    continue
+                if offset:
+                    parts.append(discard[:offset])
+                start = dst[b] * mine.page_bytes + into
+                parts.append(host[start:start + nbytes])
+                if page - offset - nbytes:
+                    parts.append(discard[:page - offset - nbytes])
         return parts
 
     def _fetch_staged(self, client: LMCacheClient, chunk: Chunk, dst: dict[int, int],
-                      deadline: Deadline) -> None:
+                      layout: list[_ChunkLayer], deadline: Deadline) -> None:
         """KV off the host (CUDA): the chunk through one host buffer, then page copies."""
-        geometry = _Geometry(self.regions, chunk.num_blocks)
-        scratch = torch.empty(geometry.nbytes, dtype=torch.uint8)
+        scratch = torch.empty(sum(c.page for c in layout) * chunk.num_blocks, dtype=torch.uint8)
         while not client.get_into(chunk.key, [host_bytes(scratch)], deadline):
             time.sleep(min(POLL_S, deadline.left()))
-        for b, block in dst.items():
-            for layer, region in enumerate(self.regions):
-                page = geometry.page_bytes[layer]
-                at = geometry.layer_offsets[layer] + (b - chunk.first_block) * page
-                region.pages[block].copy_(scratch[at:at + page])
+        at = 0
+        for page, i, offset, nbytes, into in layout:
+            if i >= 0:
+                mine = self.regions[i]
+                for b, block in dst.items():
+                    src = at + (b - chunk.first_block) * page + offset
+                    mine.pages[block][into:into + nbytes].copy_(scratch[src:src + nbytes])
+            at += page * chunk.num_blocks
 
     def close(self) -> None:
         if self._store_thread is not None:
@@ -352,8 +417,9 @@ class LMCacheTransport:
             if client.exists(chunk.key, deadline):
                 continue  # a shared prefix, stored by an earlier request
             runs = copy_runs(len(self.regions), block_ids, range(chunk.num_blocks))
-            client.put(chunk.key, [host_bytes(_on_host(run_tensor(self.regions, r, "src")))
-                                   for r in runs], deadline)
+            client.put(chunk.key, [host_bytes(_on_host(span_tensor(self.regions, span)))
+                                   for span in spans(self.regions, whole_slices(self.regions),
+                                                     runs, "src")], deadline)
 
 
 def _on_host(tensor: Any) -> Any:
