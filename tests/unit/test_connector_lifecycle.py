@@ -1,4 +1,5 @@
-"""DisaggConnector's scheduler side driven by vLLM's real v1 Scheduler (issue 9, part 5).
+"""DisaggConnector's scheduler side driven by vLLM's real v1 Scheduler (issue 9, part 5), and by
+its AsyncScheduler (vLLM's default on GPUs): every test runs under both.
 
 No processes and no KV bytes: the worker side is emulated by the connector output each step
 reports (see vllm_harness.py). The tests assert on state: request status, the blocks in use, the
@@ -20,6 +21,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import msgspec  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.engine import FinishReason  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
@@ -42,13 +44,15 @@ def _model_dir_removed():
     cleanup_model_dir()
 
 
-@pytest.fixture
-def make():
-    """make(kv_role, **SchedulerHarness kwargs): harnesses closed at teardown."""
+@pytest.fixture(params=[False, True], ids=["Scheduler", "AsyncScheduler"])
+def make(request):
+    """make(kv_role, **SchedulerHarness kwargs): harnesses closed at teardown, on vLLM's
+    Scheduler and on its AsyncScheduler (async scheduling on)."""
     made: list[SchedulerHarness] = []
 
     def factory(kv_role: str, **kw) -> SchedulerHarness:
-        made.append(SchedulerHarness(kv_role, **kw))
+        made.append(SchedulerHarness(kv_role, async_scheduling=request.param, **kw))
+        assert isinstance(made[-1].scheduler, AsyncScheduler) is request.param
         return made[-1]
 
     yield factory
@@ -583,7 +587,21 @@ def test_mixed_sequence_leaks_nothing(make):
     """kv_both, every path at once (EmulatedWorkers answer the metadata): a handoff, a
     mid-prefill abort, a plain request, decode loads that succeed, fail (recompute), are aborted
     while waiting, are forged, arrive late. Nothing is left behind."""
-    h = make("kv_both", kv_load_failure_policy="recompute", max_num_batched_tokens=64)
+    mixed_sequence(make("kv_both", kv_load_failure_policy="recompute",
+                        max_num_batched_tokens=64))
+
+
+def test_mixed_sequence_under_async_schedulings_overlapped_steps():
+    """The same under AsyncScheduler as EngineCore drives it with async scheduling on: the next
+    batch is scheduled while the previous one is out, outputs come back a turn late."""
+    with SchedulerHarness("kv_both", kv_load_failure_policy="recompute",
+                          max_num_batched_tokens=64, async_scheduling=True, overlap=True) as h:
+        assert isinstance(h.scheduler, AsyncScheduler)
+        mixed_sequence(h)
+        assert h.most_in_flight == 2  # a batch was scheduled before the last one's output
+
+
+def mixed_sequence(h: SchedulerHarness) -> None:
     w = EmulatedWorkers(load_delay=2, send_delay=2, fail={"fail"})
 
     def decode(req_id: str, forged: str = "") -> object:
