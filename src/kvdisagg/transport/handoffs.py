@@ -122,13 +122,15 @@ class HandoffTable:
                 h.readers -= 1
 
     def renew(self, refs: Sequence[tuple[str, str]]) -> int:
-        """Restart the leases of ``(handoff id, token)`` pairs that are live and whose token
-        matches; return how many were."""
+        """Restart the leases of ``(handoff id, token)`` pairs that are held and whose token
+        matches; return how many were. A renewal that comes after the lease ran out but before
+        the blocks were freed counts, as a late Read does: on a starved host the decode that
+        holds the handoff may simply not have got through yet, and the blocks are intact."""
         now, renewed = time.monotonic(), 0
         with self._cond:
             for req_id, token in refs:
                 h = self._items.get(req_id)
-                if (h is not None and not h.done and now <= h.deadline
+                if (h is not None and not h.done
                         and hmac.compare_digest(h.token, token)):
                     h.deadline = now + h.lease_s
                     renewed += 1

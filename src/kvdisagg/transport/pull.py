@@ -391,24 +391,32 @@ class PullTransport:
                 time.sleep(0.05)
                 continue
             try:
-                start_thread(self._serve, f"kvdisagg-{self.name}-serve", sock)
+                start_thread(self._serve, f"kvdisagg-{self.name}-serve", sock,
+                             time.monotonic())
             except RuntimeError as exc:  # can't start new thread
                 logger.error("kvdisagg: cannot serve a side-channel connection: %s", exc)
                 sock.close()
                 time.sleep(0.05)
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _serve(self, sock: socket.socket, accepted: float) -> None:
         peer = None
         timeout = self.config.transfer_timeout_seconds
         try:
             with sock:
+                started = time.monotonic()
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 sock.settimeout(timeout)
                 hello = recv_frame(sock)
+                received = time.monotonic()
                 error = self._check_hello(hello)
                 info = {} if error else self.server_info()
                 send_frame(sock, Reply(ok=not error, error=error, kv_layout=self.kv_layout,
                                        info=info))
+                if (done := time.monotonic()) - accepted > SLOW_HANDSHAKE_S:
+                    logger.warning("kvdisagg: a Hello took %.1fs to answer (serving thread "
+                                   "started %.1fs after accept, Hello read %.1fs later, reply "
+                                   "%.1fs later)", done - accepted, started - accepted,
+                                   received - started, done - received)
                 if error:
                     return
                 assert isinstance(hello, Hello)
