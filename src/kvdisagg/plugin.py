@@ -28,6 +28,50 @@ def register() -> None:
             "DisaggConnector", "kvdisagg.connector.connector", "DisaggConnector")
     _passive_omp_on_shared_cores(os.environ, sys.argv)
     _cpu_pp_receive_buffer()
+    _gil_friendly_spin(sys.argv)
+
+
+SPIN_PAUSE_EVERY = 64  # busy-wait polls between two pauses
+SPIN_PAUSE_S = 0.0002
+
+
+def _gil_friendly_spin(argv: list[str]) -> bool:
+    """In a DisaggConnector instance on a CPU host, let vLLM's busy-waits hand the GIL over.
+
+    Between steps, vLLM's worker and EngineCore main threads poll their shared-memory queues
+    for a second after every message, calling ``os.sched_yield()`` in a loop: the GIL is free
+    for the microsecond of each call and taken back at once. kvdisagg's threads in those
+    processes (the side channel, the pulls, the lease renewals) wait for it meanwhile, and on
+    two cores shared by five ranks they were starved for 10-30 s (Hellos answered after 12 s,
+    pulls silent for 30 s, leases run out unrenewed) while the engines stepped on. Every
+    SPIN_PAUSE_EVERY polls, the busy-wait sleeps SPIN_PAUSE_S instead, long enough for a
+    waiting thread to take the GIL; a new message is seen at most that much later."""
+    if "DisaggConnector" not in " ".join(argv):
+        return False
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return False
+        from vllm.distributed.device_communicators import shm_broadcast
+    except ImportError:
+        return False
+    if getattr(shm_broadcast.sched_yield, "_kvdisagg", False):
+        return True
+    import itertools
+    import time
+
+    polls = itertools.count(1)
+
+    def sched_yield() -> None:
+        if next(polls) % SPIN_PAUSE_EVERY:
+            os.sched_yield()
+        else:
+            time.sleep(SPIN_PAUSE_S)
+
+    sched_yield._kvdisagg = True  # type: ignore[attr-defined]
+    shm_broadcast.sched_yield = sched_yield
+    return True
 
 
 def _cpu_pp_receive_buffer() -> None:
