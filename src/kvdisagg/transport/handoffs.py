@@ -15,8 +15,9 @@ after the last of them said Done: each Done names how many readers there are.
 
 A Read may come before its handoff (the offer reaches the worker with the next engine step):
 it waits for it as long as the engine makes progress (a step running, or one ended less than
-``wait_s`` ago), and at most until two more steps started without it; the worker reports its
-steps (``step``).
+IDLE_GRACE_S ago: an engine with an offer to make steps at once, so one idle that long has
+none), and at most until two more steps started without it; the worker reports its steps
+(``step``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Callable, Sequence
 logger = logging.getLogger(__name__)
 
 KEEPALIVE_S = 1.0  # a Read waiting for its handoff tells decode it is alive this often
+IDLE_GRACE_S = 5.0  # an idle engine offers a handoff within this, or it is not coming
 TOMBSTONES = 4096  # ids freed recently: a late Read for one is refused at once, not after a wait
 
 
@@ -81,6 +83,7 @@ class HandoffTable:
         decode's bound on silence too), outside the lock."""
         arrived, start = self._steps, time.monotonic()
         interval = min(KEEPALIVE_S, wait_s / 4) if wait_s > 0 else KEEPALIVE_S
+        idle_s = min(wait_s, IDLE_GRACE_S)
 
         def settled() -> bool:
             if req_id in self._items or req_id in self._gone:
@@ -88,7 +91,7 @@ class HandoffTable:
             if self._steps >= arrived + 2:
                 return True  # two steps began since the Read: the offer is not coming
             idle_since = max(self._last_step, start)
-            return not self._in_step and time.monotonic() - idle_since > wait_s
+            return not self._in_step and time.monotonic() - idle_since > idle_s
 
         while True:
             with self._cond:
