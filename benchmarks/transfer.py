@@ -122,10 +122,11 @@ class Bench:
             conn = self.decode._checkout(key, Deadline(30, "bench"))  # a pooled connection
             self.decode._checkin(key, conn)  # only its peer info is used
             info, engine = conn.peer, self.decode.engine
-            from kvdisagg.layout import copy_runs, run_tensor
+            from kvdisagg.layout import copy_runs
 
             runs = copy_runs(LAYERS, remote, local)
-            dst = [run_tensor(self.decode.regions, r, "dst").data_ptr() for r in runs]
+            regions = self.decode.regions
+            dst = [regions[r.layer].rows(r.dst, r.count).data_ptr() for r in runs]
             src = [info.bases[r.layer] + r.src * PAGE for r in runs]
             lengths = [r.count * PAGE for r in runs]
 

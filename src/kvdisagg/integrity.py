@@ -30,7 +30,7 @@ from typing import Any
 
 import xxhash
 
-from kvdisagg.layout import CopyRun, LayerRegion
+from kvdisagg.layout import CopyRun, LayerRegion, Slice, Span, span_tensor, spans, whole_slices
 
 
 class Algorithm(str, enum.Enum):
@@ -84,7 +84,10 @@ def wsum64(tensors: Iterable[Any]) -> bytes:
 
 
 class Digester:
-    """Checksums of CopyRuns over one worker's KV memory (pages and staging arena)."""
+    """Checksums of a pull's bytes over one worker's KV memory (pages and staging arena).
+
+    On a GPU, ``wsum64`` reduces each span (a run of whole pages, or one block's heads): a
+    pull of sub-block head windows costs a reduction per block (not gathered into one)."""
 
     def __init__(self, regions: Sequence[LayerRegion]) -> None:
         self.regions = list(regions)
@@ -94,61 +97,37 @@ class Digester:
         self._host = [(_host_bytes(r.pages), _host_bytes(r.stage) if r.stage_blocks else None)
                       for r in regions] if on_host else None
 
-    def digest(self, runs: Sequence[CopyRun], side: str,
-               algorithm: Algorithm | None = None) -> bytes:
-        """The checksum of ``runs`` on this side (``"src"``: prefill, ``"dst"``: decode)."""
+    def digest(self, runs: Sequence[CopyRun], side: str, algorithm: Algorithm | None = None,
+               slices: Sequence[Slice] | None = None) -> bytes:
+        """The checksum of ``runs`` on this side (``"src"``: prefill, ``"dst"``: decode):
+        each run's blocks of its pull layer, the bytes of ``slices`` (this side's heads of
+        each pull layer; default: every layer, whole pages), in the pull's stream order."""
         algorithm = algorithm or self.native
+        pieces = spans(self.regions, slices if slices is not None
+                       else whole_slices(self.regions), runs, side)
         if algorithm is Algorithm.XXH3_64:
-            return digest_views(self._views(runs, side))
-        return wsum64(self._tensors(runs, side))
+            return digest_views(self._views(pieces))
+        return wsum64(span_tensor(self.regions, sp) for sp in pieces)
 
-    def _views(self, runs: Sequence[CopyRun], side: str) -> Iterable[Any]:
+    def _views(self, pieces: Sequence[Span]) -> Iterable[Any]:
         if self._host is None:  # device KV asked for xxh3: through host copies
-            yield from (_host_bytes(t.cpu()) for t in self._tensors(runs, side))
+            yield from (_host_bytes(span_tensor(self.regions, sp).cpu()) for sp in pieces)
             return
-        on_src = side == "src"
-        for layer, src, dst, count in runs:
-            first = src if on_src else dst
-            region = self.regions[layer]
+        for sp in pieces:
+            region = self.regions[sp.region]
             page, n = region.page_bytes, region.num_blocks
-            pages, arena = self._host[layer]
-            if first + count <= n:
-                yield pages[first * page:(first + count) * page]
-            elif first >= n and arena is not None:
-                yield arena[(first - n) * page:(first - n + count) * page]
+            pages, arena = self._host[sp.region]
+            if sp.block >= n:
+                if arena is None:
+                    raise ValueError(f"block {sp.block} of layer {region.layer} is not in this "
+                                     "worker's KV memory")
+                buf, at = arena, (sp.block - n) * page + sp.offset
             else:
-                raise ValueError(f"blocks {first}..{first + count - 1} of layer {layer} are "
+                buf, at = pages, sp.block * page + sp.offset
+            if at + sp.nbytes > len(buf):
+                raise ValueError(f"bytes {at}..{at + sp.nbytes} of layer {region.layer} are "
                                  "not in this worker's KV memory")
-
-    def _tensors(self, runs: Sequence[CopyRun], side: str) -> Iterable[Any]:
-        """The runs' rows in stream order, consecutive runs of one layer's pages (or arena)
-        gathered into one tensor: a few reductions per layer, not per run (on a GPU, a
-        thousand scattered runs would be a thousand kernel launches each)."""
-        import torch
-
-        group: list[int] = []  # block ids of the open group, in stream order
-        key: tuple[int, bool] | None = None  # (layer, in the arena)
-        for run in (*runs, None):
-            if run is not None:
-                first = run.src if side == "src" else run.dst
-                region = self.regions[run.layer]
-                staged = first >= region.num_blocks
-                if (run.layer, staged) == key:
-                    group.extend(range(first, first + run.count))
-                    continue
-            if key is not None:
-                layer, in_arena = key
-                open_region = self.regions[layer]
-                base = open_region.num_blocks if in_arena else 0
-                rows = open_region.stage if in_arena else open_region.pages
-                if group == list(range(group[0], group[0] + len(group))):
-                    yield open_region.rows(group[0], len(group))  # one range: no gather
-                else:
-                    ids = torch.tensor([b - base for b in group], device=rows.device)
-                    yield rows.index_select(0, ids)
-            if run is None:
-                return
-            key, group = (run.layer, staged), list(range(first, first + run.count))
+            yield buf[at:at + sp.nbytes]
 
 
 def _host_bytes(tensor: Any) -> memoryview:

@@ -1,15 +1,23 @@
 """KV geometry: which bytes a block is, and whether two workers' blocks are interchangeable.
 
 vLLM hands each worker one tensor per attention layer, ``[num_blocks, ...]`` with one block of
-one layer contiguous (CPU_ATTN: ``[num_blocks, kv_heads, block_size, 2*head_dim]``; CUDA HND is
-the same shape order under ``LBHNC``). Block contents may be packed per instruction set, so blocks
-move as opaque bytes between workers whose layout fingerprints match.
+one layer contiguous (the connector asks for vLLM's ``LBHNC`` layout: per layer
+``[num_blocks, kv_heads, block_size, ...]``; CPU_ATTN: ``[..., 2*head_dim]``). Block contents may
+be packed per instruction set, but per head: a head's part of a block is its own contiguous
+range, so whole heads move as opaque bytes between workers whose ``KvGeometry`` matches, whatever
+their TP and PP (sharding.py says which heads and layers each decode rank pulls).
 
-A pull is a list of CopyRuns (layer-major, then in the order of the handoff's blocks): both
-sides derive the same list from the two block-id lists, so every transport moves the same ranges
-in the same order (for tcp that is also the byte stream):
+A pull reads some layers (global ids) and a range of heads of prefill's blocks. It is a list of
+CopyRuns (pull-layer-major, then in the order of the handoff's blocks): both sides derive the
+same list from the two block-id lists, so every transport moves the same ranges in the same order
+(for tcp that is also the byte stream). Each side maps a CopyRun's layer to its own region and
+the pull's heads to a ``Slice`` of each block (a window when TP differs, the whole page when
+not)::
 
     layer 0: [b3 b4 -> d7 d8][b9 -> d2]   layer 1: [b3 b4 -> d7 d8][b9 -> d2]   ...
+
+    prefill page (2 heads): [ h0 | h1 ]     decode page (1 head): [ h0 ]
+    Slice(offset=head_bytes, nbytes=head_bytes) -> Slice(offset=0, nbytes=head_bytes)
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ import hashlib
 import platform
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
+
+import msgspec
 
 
 @dataclass(frozen=True)
@@ -31,10 +41,16 @@ class LayerRegion:
     page_bytes: int
     num_blocks: int
     stage: Any = None  # torch.Tensor [stage_blocks, page_bytes] uint8, or None
+    layer: int = 0  # the model's layer id (global, whatever the PP stage)
+    heads: int = 1  # KV heads in each page (this rank's share)
 
     @property
     def stage_blocks(self) -> int:
         return 0 if self.stage is None else self.stage.shape[0]
+
+    @property
+    def head_bytes(self) -> int:
+        return self.page_bytes // self.heads
 
     def rows(self, first: int, count: int) -> Any:
         """Blocks ``first..first+count`` of this layer, wholly in the pages or in the arena."""
@@ -45,16 +61,27 @@ class LayerRegion:
         raise ValueError(f"blocks {first}..{first + count - 1} straddle pages and arena")
 
 
-def layer_regions(kv_caches: dict[str, Any]) -> list[LayerRegion]:
-    """Per-layer uint8 page views of the tensors vLLM registered, in vLLM's layer order."""
+def layer_regions(kv_caches: dict[str, Any], heads: int = 0) -> list[LayerRegion]:
+    """Per-layer uint8 page views of the tensors vLLM registered, in vLLM's layer order.
+
+    ``heads``: this rank's KV heads per layer (0: read from each tensor's dim 1 under LBHNC, or
+    1 for a tensor without a head dim, e.g. MLA's latent). A layer's id is the one integer in its
+    name (``model.layers.3.self_attn.attn``), else its position."""
     regions = []
-    for name, tensor in kv_caches.items():
+    for position, (name, tensor) in enumerate(kv_caches.items()):
         if not tensor.is_contiguous():
             raise ValueError(f"KV cache of layer {name} is not contiguous; DisaggConnector "
                              "needs one contiguous range per block (layout LBHNC/HND)")
         num_blocks = tensor.shape[0]
         pages = tensor.view(-1).view(dtype=_uint8()).view(num_blocks, -1)
-        regions.append(LayerRegion(name, pages, pages.shape[1], num_blocks))
+        n = heads or (tensor.shape[1] if tensor.dim() >= 4 else 1)
+        if pages.shape[1] % n:
+            raise ValueError(f"KV cache of layer {name}: {pages.shape[1]}-byte pages do not "
+                             f"split into {n} heads")
+        numbers = [int(p) for p in name.split(".") if p.isdigit()]
+        layer = numbers[0] if len(numbers) == 1 else position
+        regions.append(LayerRegion(name, pages, pages.shape[1], num_blocks, layer=layer,
+                                   heads=n))
     return regions
 
 
@@ -76,17 +103,48 @@ def _uint8() -> Any:
     return torch.uint8
 
 
-def layout_fingerprint(*, model: str, dtype: str, block_size: int, tp_size: int,
-                       kv_caches: dict[str, Any]) -> str:
-    """Compatibility hash: equal only if raw blocks can be copied between the two workers."""
-    parts = [f"model={model}", f"dtype={dtype}", f"block_size={block_size}", f"tp={tp_size}",
-             f"machine={platform.machine()}"]
-    parts += [f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in kv_caches.items()]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+class KvGeometry(msgspec.Struct, frozen=True, kw_only=True):
+    """What must be equal for a head of a block to move as raw bytes between two workers,
+    whatever their TP and PP. Every worker of an instance has the same one."""
+
+    model: str
+    dtype: str  # the model's
+    kv_dtype: str  # the KV cache's (e.g. an fp8 cache)
+    block_size: int
+    head_size: int
+    kv_heads: int  # the model's KV heads (all TP ranks)
+    layers: int  # the model's layers (all PP stages)
+    head_bytes: int  # one head of one block
+    machine: str = platform.machine()  # CPU blocks are packed per instruction set
+
+    def fingerprint(self) -> str:
+        """A short hash: equal only if the geometries are."""
+        return hashlib.sha256(msgspec.json.encode(self)).hexdigest()[:16]
+
+    def differences(self, other: KvGeometry, mine: str = "prefill",
+                    theirs: str = "decode") -> str:
+        """What differs, named: ``block_size: prefill 128, decode 16; dtype: ...`` ('' if
+        nothing)."""
+        return "; ".join(f"{field}: {mine} {getattr(self, field)}, {theirs} "
+                         f"{getattr(other, field)}" for field in self.__struct_fields__
+                         if getattr(self, field) != getattr(other, field))
+
+
+def geometry_of(regions: Sequence[LayerRegion], *, model: str, dtype: str, kv_dtype: str,
+                block_size: int, head_size: int, kv_heads: int, layers: int) -> KvGeometry:
+    """This worker's geometry; every region must have the same head size in bytes."""
+    head_bytes = {r.head_bytes for r in regions}
+    if len(head_bytes) > 1:
+        raise ValueError(f"KV layers of different head sizes ({sorted(head_bytes)} bytes): "
+                         "DisaggConnector moves one head size per instance")
+    return KvGeometry(model=model, dtype=dtype, kv_dtype=kv_dtype, block_size=block_size,
+                      head_size=head_size, kv_heads=kv_heads, layers=layers,
+                      head_bytes=head_bytes.pop() if head_bytes else 0)
 
 
 class CopyRun(NamedTuple):
     """``count`` consecutive blocks of one layer: prefill's ``src``.. into decode's ``dst``..
+    ``layer`` indexes the pull's layers (each side's Slices).
 
     A NamedTuple, not a frozen dataclass: a pull makes one per run per layer on both sides
     before any byte moves (a thousand for 16 MiB of scattered blocks), and a frozen
@@ -122,9 +180,76 @@ def copy_runs(num_layers: int, src_ids: Sequence[int], dst_ids: Sequence[int]) -
     return [make((layer, *pair)) for layer in range(num_layers) for pair in pairs]
 
 
-def run_tensor(regions: Sequence[LayerRegion], run: CopyRun, side: str) -> Any:
-    """The (contiguous) memory of ``run`` on this side: ``side`` is "src" or "dst"."""
-    return regions[run.layer].rows(run.src if side == "src" else run.dst, run.count)
+class Slice(NamedTuple):
+    """One pull layer on one side: ``region`` (an index into that side's regions) and the bytes
+    ``offset..offset+nbytes`` of each of its blocks (the pull's heads)."""
+
+    region: int
+    offset: int
+    nbytes: int
+
+
+def whole_slices(regions: Sequence[LayerRegion]) -> list[Slice]:
+    """Every region, whole pages: a pull of all of this worker's layers and heads."""
+    return [Slice(i, 0, r.page_bytes) for i, r in enumerate(regions)]
+
+
+def pull_slices(regions: Sequence[LayerRegion], layers: Sequence[int], first_head: int,
+                heads: int) -> list[Slice]:
+    """This side's Slice of each of ``layers`` (global ids) for heads ``first_head..``; raises
+    ValueError naming what this worker does not hold (ids come off the wire)."""
+    index = {r.layer: i for i, r in enumerate(regions)}
+    out = []
+    for layer in layers:
+        i = index.get(layer)
+        if i is None:
+            raise ValueError(f"layer {layer} is not held here (this worker holds layers "
+                             f"{sorted(index)[:4]}..{max(index, default=-1)})")
+        r = regions[i]
+        if first_head < 0 or heads < 1 or first_head + heads > r.heads:
+            raise ValueError(f"heads {first_head}..{first_head + heads - 1} are not held here "
+                             f"(this worker holds {r.heads} per layer)")
+        out.append(Slice(i, first_head * r.head_bytes, heads * r.head_bytes))
+    return out
+
+
+def is_whole(regions: Sequence[LayerRegion], slices: Sequence[Slice]) -> bool:
+    """Every slice is a whole page: a run of blocks is then one contiguous range."""
+    return all(s.nbytes == regions[s.region].page_bytes for s in slices)
+
+
+class Span(NamedTuple):
+    """``nbytes`` contiguous bytes of region ``region`` from ``offset`` bytes into its block
+    ``block`` (a page, or an arena block from ``num_blocks`` on)."""
+
+    region: int
+    block: int
+    offset: int
+    nbytes: int
+
+
+def spans(regions: Sequence[LayerRegion], slices: Sequence[Slice], runs: Sequence[CopyRun],
+          side: str, per_block: bool = False) -> list[Span]:
+    """The memory of ``runs`` on this side ("src" or "dst"), in order: one Span per run where
+    the slice is a whole page (unless ``per_block``), else one per block."""
+    out: list[Span] = []
+    on_src = side == "src"
+    for run in runs:
+        sl = slices[run.layer]
+        first = run.src if on_src else run.dst
+        if not per_block and sl.nbytes == regions[sl.region].page_bytes:
+            out.append(Span(sl.region, first, 0, sl.nbytes * run.count))
+        else:
+            out.extend(Span(sl.region, b, sl.offset, sl.nbytes)
+                       for b in range(first, first + run.count))
+    return out
+
+
+def span_tensor(regions: Sequence[LayerRegion], span: Span) -> Any:
+    """A span's memory as a flat uint8 tensor view."""
+    r = regions[span.region]
+    count = -(-(span.offset + span.nbytes) // r.page_bytes)
+    return r.rows(span.block, count).reshape(-1)[span.offset:span.offset + span.nbytes]
 
 
 def stage_into(regions: Sequence[LayerRegion], block_ids: Sequence[int],
@@ -158,9 +283,8 @@ def stage_into(regions: Sequence[LayerRegion], block_ids: Sequence[int],
             0, src_ids.to(r.pages.device)).to(r.stage.device))
 
 
-def run_bytes(regions: Sequence[LayerRegion], runs_: Sequence[CopyRun]) -> int:
-    pages = [r.page_bytes for r in regions]
-    return sum(pages[run.layer] * run.count for run in runs_)
+def run_bytes(slices: Sequence[Slice], runs_: Sequence[CopyRun]) -> int:
+    return sum(slices[run.layer].nbytes * run.count for run in runs_)
 
 
 def check_blocks(regions: Sequence[LayerRegion], block_ids: Sequence[int]) -> str:

@@ -1,5 +1,6 @@
 """vLLM general plugin, loaded in every vLLM process: registers DisaggConnector (idempotent),
-and on CPU hosts left to vLLM's default core binding, makes OpenMP wait passively."""
+on CPU hosts left to vLLM's default core binding makes OpenMP wait passively, and works around
+vLLM 0.32's CPU worker never allocating the pipeline-parallel receive buffer in eager mode."""
 
 from __future__ import annotations
 
@@ -26,6 +27,90 @@ def register() -> None:
         KVConnectorFactory.register_connector(
             "DisaggConnector", "kvdisagg.connector.connector", "DisaggConnector")
     _passive_omp_on_shared_cores(os.environ, sys.argv)
+    _cpu_pp_receive_buffer()
+    _gil_friendly_spin(sys.argv)
+
+
+SPIN_PAUSE_EVERY = 64  # busy-wait polls between two pauses
+SPIN_PAUSE_S = 0.0002
+
+
+def _gil_friendly_spin(argv: list[str]) -> bool:
+    """In a DisaggConnector instance on a CPU host, let vLLM's busy-waits hand the GIL over.
+
+    Between steps, vLLM's worker and EngineCore main threads poll their shared-memory queues
+    for a second after every message, calling ``os.sched_yield()`` in a loop: the GIL is free
+    for the microsecond of each call and taken back at once. kvdisagg's threads in those
+    processes (the side channel, the pulls, the lease renewals) wait for it meanwhile, and on
+    two cores shared by five ranks they were starved for 10-30 s (Hellos answered after 12 s,
+    pulls silent for 30 s, leases run out unrenewed) while the engines stepped on. Every
+    SPIN_PAUSE_EVERY polls, the busy-wait sleeps SPIN_PAUSE_S instead, long enough for a
+    waiting thread to take the GIL; a new message is seen at most that much later."""
+    if "DisaggConnector" not in " ".join(argv):
+        return False
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return False
+        from vllm.distributed.device_communicators import shm_broadcast
+    except ImportError:
+        return False
+    if getattr(shm_broadcast.sched_yield, "_kvdisagg", False):
+        return True
+    import itertools
+    import time
+
+    polls = itertools.count(1)
+
+    def sched_yield() -> None:
+        if next(polls) % SPIN_PAUSE_EVERY:
+            os.sched_yield()
+        else:
+            time.sleep(SPIN_PAUSE_S)
+
+    sched_yield._kvdisagg = True  # type: ignore[attr-defined]
+    shm_broadcast.sched_yield = sched_yield
+    return True
+
+
+def _cpu_pp_receive_buffer() -> None:
+    """Make vLLM's CPU worker allocate the PP receive buffer of a later stage before serving.
+
+    vLLM 0.32's model runner allocates ``intermediate_tensors`` (where a PP stage after the
+    first receives the previous stage's activations) only in ``_dummy_run``. The GPU worker
+    always runs one (profiling, warm-up); the CPU worker runs one only to compile or to size the
+    KV cache, so with ``--enforce-eager`` (or any eager mode) every stage after the first dies on
+    its first forward: ``assert self.intermediate_tensors is not None`` in
+    ``sync_and_gather_intermediate_tensors``, and EngineCore with it. After the worker's own
+    warm-up, allocate the buffer as ``_dummy_run`` would, where it is still missing."""
+    try:
+        from vllm.v1.worker.cpu_worker import CPUWorker
+    except ImportError:  # a vLLM without a CPU worker
+        return
+    original = CPUWorker.compile_or_warm_up_model
+    if getattr(original, "_kvdisagg", False):
+        return
+
+    def compile_or_warm_up_model(self: object, *args: object, **kwargs: object) -> object:
+        out = original(self, *args, **kwargs)
+        runner = getattr(self, "model_runner", None)
+        try:
+            from vllm.distributed.parallel_state import get_pp_group
+
+            later_stage = not get_pp_group().is_first_rank
+        except (ImportError, AssertionError):  # no PP group: nothing to receive
+            later_stage = False
+        if later_stage and getattr(runner, "intermediate_tensors", True) is None:
+            runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+                batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype,
+                device=runner.device)
+            logger.info("kvdisagg: allocated this pipeline stage's receive buffer (vLLM's CPU "
+                        "worker skips the dummy run that does it in eager mode)")
+        return out
+
+    compile_or_warm_up_model._kvdisagg = True  # type: ignore[attr-defined]
+    CPUWorker.compile_or_warm_up_model = compile_or_warm_up_model  # type: ignore[method-assign]
 
 
 def _passive_omp_on_shared_cores(environ: dict[str, str] | os._Environ, argv: list[str]) -> bool:

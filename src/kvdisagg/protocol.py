@@ -11,7 +11,12 @@ PROTOCOL_VERSION history:
   3: decode-paced leases: kv_transfer_params carry ``lease_s``; decode's scheduler keeps every
      handoff it holds alive with one-way Renew frames on a control connection (Hello with
      ``control``), so a lease runs out only when its decode stops renewing.
-  4: KV checksums: a Read may ask for one (``checksum``: the algorithm, integrity.py); prefill
+  4: any TP and PP on either side (sharding.py): kv_transfer_params carry ``stages`` and a port
+     per prefill rank (PP-major); the fingerprint covers the model's geometry only and Hello
+     carries the geometry itself (a refusal names what differs); Read names the layers and
+     heads to read, Done how many readers prefill waits for; Wait frames keep a slow peer's
+     waits alive (bounds measure silence, not duration);
+     and KV checksums: a Read may ask for one (``checksum``: the algorithm, integrity.py); prefill
      then follows the bytes with a Checksum frame of what it sent, decode compares it with what
      landed in its blocks and says in Done whether it matched (``checksum_ok``).
 """
@@ -26,6 +31,7 @@ from typing import Annotated, Any, Callable
 import msgspec
 
 from kvdisagg.errors import TransferFailed
+from kvdisagg.layout import KvGeometry
 
 PROTOCOL_VERSION = 4
 NAMESPACE = "kvdisagg"
@@ -46,7 +52,9 @@ class HandoffExtras(msgspec.Struct, frozen=True, kw_only=True):
     lease_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 30.0
     """Lease length: decode renews each held handoff well within it."""
     ports: list[Port]
-    """Side-channel port per prefill TP rank."""
+    """Side-channel port per prefill rank, PP-major (``pp_rank * tp_size + tp_rank``)."""
+    stages: list[Annotated[int, msgspec.Meta(ge=0)]] = msgspec.field(default_factory=lambda: [0])
+    """First layer of each of prefill's PP stages (one entry: no PP)."""
 
 
 SLO_PARAMS_KEY = "kvdisagg_slo"
@@ -79,15 +87,18 @@ class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True):
 def handoff_params(
     *, engine_id: str, request_id: str, block_ids: list[int], host: str, ports: list[int],
     num_tokens: int, transport: str, kv_layout: str, token: str, lease_s: float,
+    stages: list[int] | None = None,
 ) -> dict[str, object]:
-    """The dict prefill returns from request_finished (becomes the response's kv_transfer_params)."""
+    """The dict prefill returns from request_finished (becomes the response's kv_transfer_params).
+    ``ports``: one per rank, PP-major; ``stages``: the first layer of each PP stage."""
+    stages = list(stages or [0])
     params = RemotePrefill(
         do_remote_prefill=True, remote_engine_id=engine_id, remote_request_id=request_id,
         remote_block_ids=list(block_ids), remote_host=host, remote_port=ports[0],
-        remote_num_tokens=num_tokens, tp_size=len(ports),
+        remote_num_tokens=num_tokens, tp_size=max(len(ports) // len(stages), 1),
         kvdisagg=HandoffExtras(transport=transport, kv_layout=kv_layout, token=token,
                                lease_expires=time.time() + lease_s, lease_s=lease_s,
-                               ports=list(ports)),
+                               ports=list(ports), stages=stages),
     )
     out = msgspec.to_builtins(params)
     out["do_remote_decode"] = False
@@ -108,6 +119,8 @@ class Hello(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     control: bool = False
     """A control connection (lease renewals, releases) from decode's scheduler: no Reads, so
     the transport sets up no peer state for it."""
+    geometry: KvGeometry | None = None
+    """Decode's geometry, so that a refusal can name what differs (``kv_layout`` hashes it)."""
 
 
 class Read(msgspec.Struct, tag=True, frozen=True, kw_only=True):
@@ -122,6 +135,10 @@ class Read(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     dst_block_ids: list[BlockId]
     checksum: str = ""
     """Follow the bytes with a Checksum frame of this algorithm ('' = none)."""
+    layers: list[Annotated[int, msgspec.Meta(ge=0)]] = []
+    """The layers to read (the model's ids); empty: every layer prefill's worker holds."""
+    heads: list[Annotated[int, msgspec.Meta(ge=0)]] = []
+    """``[first, count]`` of the prefill worker's own heads to read; empty: all of them."""
 
 
 class Checksum(msgspec.Struct, tag=True, frozen=True, kw_only=True):
@@ -130,6 +147,11 @@ class Checksum(msgspec.Struct, tag=True, frozen=True, kw_only=True):
 
     algorithm: str
     digest: Annotated[bytes, msgspec.Meta(max_length=64)]
+
+
+class Wait(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """Prefill -> decode while a Read waits for its handoff (not yet offered by a busy engine):
+    prefill is alive and working on it, so decode keeps waiting (bounds measure silence)."""
 
 
 class Done(msgspec.Struct, tag=True, frozen=True, kw_only=True):
@@ -142,6 +164,9 @@ class Done(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     checksum_ok: bool = True
     """False: the bytes of this pull failed decode's checksum (prefill logs it, and frees the
     handoff all the same: the load fails on decode and the request is retried or recomputed)."""
+    readers: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)] = 1
+    """Decode workers that read (or release) this prefill worker's part of the handoff: it is
+    freed after that many Dones (sharding.py), at once with ``ok`` false (decode gave it up)."""
 
 
 class HandoffRef(msgspec.Struct, array_like=True, frozen=True):
@@ -166,7 +191,7 @@ class Reply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     info: dict[str, Any] = {}
 
 
-Message = Hello | Read | Checksum | Done | Renew | Reply
+Message = Hello | Read | Checksum | Done | Renew | Reply | Wait
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 _header = struct.Struct("!I")

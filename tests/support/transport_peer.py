@@ -5,12 +5,14 @@ the decode side in their own process against this one, so every transport is exe
 a real process boundary with the same seeded KV on both ends:
 
     python -m tests.support.transport_peer --transport tcp --config '{}'
+        [--layers 2,3 --heads 1 --kv-heads 2 --rank 1 --shape 2:0,2]   (one rank's shard)
     <- {"port": 41234}
     -> {"op": "offer", "handoff_id": "r1", "token": "t", "block_ids": [2, 3], "prompt": [..]}
     <- {"ok": true}
     -> {"op": "offer", ..., "block_ids": [32, 33], "stage_from": [2, 3]}   (staged in the arena)
     -> {"op": "scribble", "block_ids": [2, 3]}    <- {"ok": true}   (overwrite paged blocks)
     -> {"op": "released"}            <- {"released": ["r1"]}
+    -> {"op": "step", "running": true}  <- {"ok": true}   (an engine step began; false: ended)
     -> {"op": "reopen"}              <- {"port": 41235}      (close, then a new transport)
 """
 
@@ -29,15 +31,24 @@ import msgspec
 import torch
 
 from kvdisagg.config import ConnectorConfig
-from kvdisagg.layout import layer_regions, stage_into, with_arena
+from kvdisagg.layout import KvGeometry, layer_regions, stage_into, with_arena
+from kvdisagg.sharding import Shape
 from kvdisagg.transport import Offer, Transport, load_transport
 
 KV_LAYOUT = "conformance"
 BLOCK_SIZE = 16
+HEAD = 64  # floats per head per token (K and V)
+
+
+def geometry(kv_heads: int = 2, layers: int = 2, block_size: int = BLOCK_SIZE) -> KvGeometry:
+    """The geometry both sides of a conformance pair register (``KV_LAYOUT`` is its name)."""
+    return KvGeometry(model="conformance", dtype="float32", kv_dtype="torch.float32",
+                      block_size=block_size, head_size=HEAD // 2, kv_heads=kv_heads,
+                      layers=layers, head_bytes=block_size * HEAD * 4)
 
 
 def kv_caches(seed: int | None, num_blocks: int = 32, num_layers: int = 2,
-              block_shape: tuple[int, ...] = (2, BLOCK_SIZE, 64)) -> dict[str, torch.Tensor]:
+              block_shape: tuple[int, ...] = (2, BLOCK_SIZE, HEAD)) -> dict[str, torch.Tensor]:
     """Per-layer KV tensors like vLLM's CPU layout: seeded random, or zeros for a receiver."""
     shape = (num_blocks, *block_shape)
     if seed is None:
@@ -46,14 +57,33 @@ def kv_caches(seed: int | None, num_blocks: int = 32, num_layers: int = 2,
     return {f"layer.{i}": torch.rand(shape, generator=g) for i in range(num_layers)}
 
 
+def model_kv(seed: int, layer: int, kv_heads: int, num_blocks: int = 32) -> torch.Tensor:
+    """The whole model's KV of one layer (every head), the same in every process."""
+    g = torch.Generator().manual_seed(seed * 1000 + layer)
+    return torch.rand((num_blocks, kv_heads, BLOCK_SIZE, HEAD), generator=g)
+
+
+def shard_caches(seed: int | None, layers: Sequence[int], heads: Sequence[int], kv_heads: int,
+                 num_blocks: int = 32) -> dict[str, torch.Tensor]:
+    """One rank's shard of ``model_kv``: its layers (named by their model ids) and heads (zeros
+    for a receiver), like vLLM's per-layer tensors of a TP/PP rank."""
+    if seed is None:
+        return {f"layer.{layer}": torch.zeros((num_blocks, len(heads), BLOCK_SIZE, HEAD))
+                for layer in layers}
+    return {f"layer.{layer}": model_kv(seed, layer, kv_heads, num_blocks)[:, list(heads)]
+            .contiguous() for layer in layers}
+
+
 def open_transport(config: ConnectorConfig, caches: dict[str, torch.Tensor], *,
-                   is_producer: bool, stage_blocks: int = 0) -> tuple[Transport, int]:
+                   is_producer: bool, stage_blocks: int = 0, geometry: KvGeometry | None = None,
+                   rank: int = 0, shape: Shape = Shape(1)) -> tuple[Transport, int]:
     regions = layer_regions(caches)
     if stage_blocks:
         regions = with_arena(regions, stage_blocks)
     transport = load_transport(config)
     port = transport.register(regions, kv_layout=KV_LAYOUT, block_size=BLOCK_SIZE,
-                              is_producer=is_producer)
+                              is_producer=is_producer, geometry=geometry, rank=rank,
+                              shape=shape)
     return transport, port
 
 
@@ -61,13 +91,22 @@ class PeerProcess:
     """Client of this module run as a subprocess: the prefill side, seeded, in its own process."""
 
     def __init__(self, transport: str, extra: dict[str, Any], *, seed: int = 1,
-                 blocks: int = 32, block_shape: Sequence[int] = (2, BLOCK_SIZE, 64),
-                 stage_blocks: int = 0) -> None:
+                 blocks: int = 32, block_shape: Sequence[int] = (2, BLOCK_SIZE, HEAD),
+                 stage_blocks: int = 0, shard: tuple[Sequence[int], Sequence[int], int] | None
+                 = None, rank: int = 0, shape: Shape = Shape(1), model_layers: int = 2) -> None:
+        """``shard``: (layers, heads, the model's KV heads) of rank ``rank`` of an instance of
+        ``shape`` (``model_kv`` of a model of ``model_layers``); None: ``kv_caches``."""
+        args = []
+        if shard is not None:
+            layers, heads, kv_heads = shard
+            args = ["--layers", ",".join(map(str, layers)), "--heads", ",".join(map(str, heads)),
+                    "--kv-heads", str(kv_heads), "--rank", str(rank), "--model-layers", str(model_layers),
+                    "--shape", f"{shape.tp}:{','.join(map(str, shape.stages))}"]
         self.proc = subprocess.Popen(  # cwd: where the package ``tests`` is importable
             [sys.executable, "-m", "tests.support.transport_peer", "--transport", transport,
              "--config", json.dumps(extra), "--seed", str(seed), "--blocks", str(blocks),
              "--block-shape", ",".join(map(str, block_shape)),
-             "--stage-blocks", str(stage_blocks)],
+             "--stage-blocks", str(stage_blocks), *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             cwd=Path(__file__).resolve().parents[2])
         self.port = self._read()["port"]
@@ -84,8 +123,8 @@ class PeerProcess:
         return self._read()
 
     def offer(self, handoff_id: str, block_ids: Sequence[int], prompt: Sequence[int],
-              lease_s: float = 30.0, stage_from: Sequence[int] = ()) -> str:
-        token = secrets.token_hex(8)
+              lease_s: float = 30.0, stage_from: Sequence[int] = (), token: str = "") -> str:
+        token = token or secrets.token_hex(8)
         reply = self.ask(op="offer", handoff_id=handoff_id, token=token,
                          block_ids=list(block_ids), prompt=list(prompt), lease_s=lease_s,
                          stage_from=list(stage_from))
@@ -132,13 +171,29 @@ def main() -> int:
     p.add_argument("--blocks", type=int, default=32)
     p.add_argument("--block-shape", default="2,16,64")
     p.add_argument("--stage-blocks", type=int, default=0, help="staging arena blocks")
+    p.add_argument("--layers", help="this rank's layers (model ids); default: kv_caches")
+    p.add_argument("--heads", help="this rank's KV heads (model ids)")
+    p.add_argument("--kv-heads", type=int, default=2, help="the model's KV heads")
+    p.add_argument("--model-layers", type=int, default=2, help="the model's layers")
+    p.add_argument("--rank", type=int, default=0, help="this rank (PP-major)")
+    p.add_argument("--shape", default="1:0", help="TP:first layer of each PP stage")
     args = p.parse_args()
     config = msgspec.convert({**json.loads(args.config), "transport": args.transport},
                              ConnectorConfig)
-    shape = tuple(int(x) for x in args.block_shape.split(","))
-    caches = kv_caches(args.seed, args.blocks, block_shape=shape)
+    tp, _, stages = args.shape.partition(":")
+    shape = Shape(int(tp), tuple(int(x) for x in stages.split(",")))
+    if args.layers:
+        layers = [int(x) for x in args.layers.split(",")]
+        caches = shard_caches(args.seed, layers, [int(x) for x in args.heads.split(",")],
+                              args.kv_heads, args.blocks)
+        geo = geometry(args.kv_heads, args.model_layers)
+    else:
+        block_shape = tuple(int(x) for x in args.block_shape.split(","))
+        caches = kv_caches(args.seed, args.blocks, block_shape=block_shape)
+        geo = None
     transport, port = open_transport(config, caches, is_producer=True,
-                                     stage_blocks=args.stage_blocks)
+                                     stage_blocks=args.stage_blocks, geometry=geo,
+                                     rank=args.rank, shape=shape)
     _say({"port": port})
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -155,10 +210,14 @@ def main() -> int:
                 _say({"ok": True})
             case "released":
                 _say({"released": sorted(transport.take_released())})
+            case "step":  # the engine started (running) or ended a step
+                transport.step(cmd["running"])
+                _say({"ok": True})
             case "reopen":
                 transport.close()
                 transport, port = open_transport(config, caches, is_producer=True,
-                                                 stage_blocks=args.stage_blocks)
+                                                 stage_blocks=args.stage_blocks, geometry=geo,
+                                                 rank=args.rank, shape=shape)
                 _say({"port": port})
             case other:
                 _say({"error": f"unknown op {other!r}"})

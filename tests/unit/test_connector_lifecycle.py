@@ -1,4 +1,5 @@
-"""DisaggConnector's scheduler side driven by vLLM's real v1 Scheduler (issue 9, part 5).
+"""DisaggConnector's scheduler side driven by vLLM's real v1 Scheduler (issue 9, part 5), and by
+its AsyncScheduler (vLLM's default on GPUs): every test runs under both.
 
 No processes and no KV bytes: the worker side is emulated by the connector output each step
 reports (see vllm_harness.py). The tests assert on state: request status, the blocks in use, the
@@ -20,6 +21,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import msgspec  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.engine import FinishReason  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
@@ -42,13 +44,15 @@ def _model_dir_removed():
     cleanup_model_dir()
 
 
-@pytest.fixture
-def make():
-    """make(kv_role, **SchedulerHarness kwargs): harnesses closed at teardown."""
+@pytest.fixture(params=[False, True], ids=["Scheduler", "AsyncScheduler"])
+def make(request):
+    """make(kv_role, **SchedulerHarness kwargs): harnesses closed at teardown, on vLLM's
+    Scheduler and on its AsyncScheduler (async scheduling on)."""
     made: list[SchedulerHarness] = []
 
     def factory(kv_role: str, **kw) -> SchedulerHarness:
-        made.append(SchedulerHarness(kv_role, **kw))
+        made.append(SchedulerHarness(kv_role, async_scheduling=request.param, **kw))
+        assert isinstance(made[-1].scheduler, AsyncScheduler) is request.param
         return made[-1]
 
     yield factory
@@ -408,9 +412,17 @@ def _forge(params: dict, case: str) -> dict:
             p["kvdisagg"]["token"] = 12345
         case "flag-not-a-bool":
             p["do_remote_prefill"] = "yes"
-        case "tp-mismatch":
-            p["kvdisagg"]["ports"] = [p["remote_port"], p["remote_port"] + 1]
+        case "ports-for-another-shape":  # TP 2 x PP 1 is two ranks, not three
+            p["kvdisagg"]["ports"] = [p["remote_port"]] * 3
             p["tp_size"] = 2
+        case "tp-cannot-shard-the-heads":  # the model has 2 KV heads: TP 3 is no vLLM instance
+            p["kvdisagg"]["ports"] = [p["remote_port"]] * 3
+            p["tp_size"] = 3
+        case "stages-past-the-layers":  # the model has 2 layers
+            p["kvdisagg"]["ports"] = [p["remote_port"]] * 2
+            p["kvdisagg"]["stages"] = [0, 5]
+        case "stages-not-from-0":
+            p["kvdisagg"]["stages"] = [1]
         case "too-few-blocks":
             p["remote_block_ids"] = [100]
         case _:
@@ -420,7 +432,12 @@ def _forge(params: dict, case: str) -> dict:
 
 FORGED = ["missing-block-ids", "missing-extras", "missing-token", "block-ids-not-a-list",
           "negative-block-id", "port-out-of-range", "ports-not-a-list", "token-not-a-string",
-          "flag-not-a-bool", "tp-mismatch", "too-few-blocks"]
+          "flag-not-a-bool", "ports-for-another-shape", "tp-cannot-shard-the-heads",
+          "stages-past-the-layers", "stages-not-from-0", "too-few-blocks"]
+WHY = {"ports-for-another-shape": "3 side-channel ports for its 2 ranks",
+       "tp-cannot-shard-the-heads": "prefill TP 3 cannot shard the model's 2 KV heads",
+       "stages-past-the-layers": "not a split of the model's 2 layers",
+       "stages-not-from-0": "not a split of the model's 2 layers"}
 
 
 @pytest.mark.parametrize("case", FORGED)
@@ -431,6 +448,7 @@ def test_decode_forged_params_give_a_load_error(make, case):
     s = h.step()
     (load,) = s.meta.loads
     assert load.req_id == rid and load.error
+    assert WHY.get(case, "") in load.error
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     s = h.step(failed_recving={rid})  # the worker fails an errored load at once
     assert req.status == RequestStatus.FINISHED_ERROR
@@ -569,7 +587,21 @@ def test_mixed_sequence_leaks_nothing(make):
     """kv_both, every path at once (EmulatedWorkers answer the metadata): a handoff, a
     mid-prefill abort, a plain request, decode loads that succeed, fail (recompute), are aborted
     while waiting, are forged, arrive late. Nothing is left behind."""
-    h = make("kv_both", kv_load_failure_policy="recompute", max_num_batched_tokens=64)
+    mixed_sequence(make("kv_both", kv_load_failure_policy="recompute",
+                        max_num_batched_tokens=64))
+
+
+def test_mixed_sequence_under_async_schedulings_overlapped_steps():
+    """The same under AsyncScheduler as EngineCore drives it with async scheduling on: the next
+    batch is scheduled while the previous one is out, outputs come back a turn late."""
+    with SchedulerHarness("kv_both", kv_load_failure_policy="recompute",
+                          max_num_batched_tokens=64, async_scheduling=True, overlap=True) as h:
+        assert isinstance(h.scheduler, AsyncScheduler)
+        mixed_sequence(h)
+        assert h.most_in_flight == 2  # a batch was scheduled before the last one's output
+
+
+def mixed_sequence(h: SchedulerHarness) -> None:
     w = EmulatedWorkers(load_delay=2, send_delay=2, fail={"fail"})
 
     def decode(req_id: str, forged: str = "") -> object:
@@ -1020,7 +1052,7 @@ def test_decode_counts_requests_that_computed_their_prompt_despite_a_handoff(mak
     h = make("kv_consumer", kv_load_failure_policy=policy)
     params = remote_prefill_params(h, 40)
     if case == "invalid_params":
-        params = _forge(params, "tp-mismatch")
+        params = _forge(params, "stages-not-from-0")
     if case == "tail":  # decode's prefix cache holds the prompt's full blocks: the rest loads
         tokens = [(5 * i) % 500 + 3 for i in range(40)]
         warm = h.add_request(40, prompt=tokens, max_tokens=1)

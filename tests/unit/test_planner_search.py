@@ -90,10 +90,68 @@ def test_launch_commands_place_gpus_and_roles():
     assert "--tensor-parallel-size 2" in launches[0].command and "kv_producer" in launches[0].command
     assert "kv_consumer" in launches[2].command and "--tensor-parallel-size" not in launches[2].command
     proxy = cmds[-1]
-    assert isinstance(proxy, str) and proxy.startswith("kvdisagg proxy --prefill http://<node0>:8100 http://<node0>:8101 --decode")
+    assert isinstance(proxy, str) and proxy.startswith(
+        "kvdisagg proxy --prefill 'http://<node0>:8100' 'http://<node0>:8101' --decode")
     assert "--slo-ttft 0.25 --slo-tpot 0.1" in proxy
     col = launch_commands(Colocated(tp=4, num_instances=2), "m", gpus_per_node=8)
     assert len(col) == 2 and all("kv-transfer-config" not in c.command for c in col)
+    # With the nodes' addresses, every line runs as printed: no placeholder left.
+    named = launch_commands(pl, "m", gpus_per_node=4, hosts=["10.0.0.1", "10.0.0.2"])
+    assert not any("<node" in (c.command if isinstance(c, Launch) else c) for c in named)
+    assert '"side_channel_host":"10.0.0.1"' in named[0].command
+    assert "--host 10.0.0.2 --port 8102" in named[2].command
+
+
+def test_launch_lines_on_cpu_bind_a_core_per_rank_and_start_as_printed():
+    import shlex
+
+    from kvdisagg.planner.commands import printed
+
+    pl = Disaggregated(prefill_tp=1, decode_tp=1, decode_pp=2)
+    cmds = launch_commands(pl, "/m", gpus_per_node=3, device="cpu",
+                           serve_args=["--dtype", "float32"])
+    lines = printed(cmds)
+    assert lines[0] == "# node 0" and lines[1].endswith(" &") and not lines[-1].endswith("&")
+    assert lines[1].startswith("VLLM_CPU_OMP_THREADS_BIND=0 python -m "
+                               "vllm.entrypoints.openai.api_server --model /m --host 127.0.0.1 --port 8100")
+    assert lines[2].startswith("VLLM_CPU_OMP_THREADS_BIND='1|2' python -m")
+    assert "--pipeline-parallel-size 2 --distributed-executor-backend mp --dtype float32" in lines[2]
+    argv = shlex.split(lines[1][:-2])
+    config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert config["kv_role"] == "kv_producer"
+    assert config["kv_connector_extra_config"]["side_channel_host"] == "127.0.0.1"
+    assert lines[-1].startswith("kvdisagg proxy --prefill http://127.0.0.1:8100 "
+                                "--decode http://127.0.0.1:8101")
+
+
+@pytest.mark.parametrize("placement, why", [
+    (Disaggregated(prefill_tp=4, decode_tp=1), "a prefill instance needs 4 devices"),
+    (Disaggregated(decode_pp=2, pp_cross=2), "span 2 nodes"),
+])
+def test_placements_the_connector_does_not_serve_get_no_launch_lines(placement, why):
+    from kvdisagg.errors import ConfigError
+    from kvdisagg.planner.commands import unserved
+
+    assert why in unserved(placement, gpus_per_node=2)
+    with pytest.raises(ConfigError, match=why):
+        launch_commands(placement, "m", gpus_per_node=2)
+
+
+def test_plan_keeps_instances_within_a_node():
+    env = SimEnv(profile=_profile())
+    seed = draw(load_lengths("sharegpt"), 120, seed=0)
+    slo = Slo(ttft_s=0.4, tpot_s=0.06)
+    for affinity in ("high", "low"):
+        found = plan(seed, env, slo, gpus=4, gpus_per_node=1 if affinity == "high" else 4,
+                     affinity=affinity, rel_tol=0.05)
+        for cand in found.candidates:
+            assert not unserved_at(cand.placement, 1 if affinity == "high" else 4), cand
+
+
+def unserved_at(placement, per_node):
+    from kvdisagg.planner.commands import unserved
+
+    return unserved(placement, per_node)
 
 
 def test_cli_simulate_and_plan_json(tmp_path, capsys):

@@ -15,12 +15,13 @@ import pytest
 pytest.importorskip("vllm")
 
 from vllm.config import SchedulerConfig  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvdisagg.errors import ConfigError  # noqa: E402
-from kvdisagg.scheduler import (ENV_VAR, SLO_PARAMS_KEY, SchedulerSettings,  # noqa: E402
-                                SloScheduler, SloStats, load_settings)
+from kvdisagg.scheduler import (ENV_VAR, SLO_PARAMS_KEY, AsyncSloScheduler,  # noqa: E402
+                                SchedulerSettings, SloScheduler, SloStats, load_settings)
 from tests.unit import vllm_harness  # noqa: E402
 from tests.unit.vllm_harness import SchedulerHarness, Step, cleanup_model_dir  # noqa: E402
 
@@ -43,7 +44,8 @@ def resolved_cls() -> type:
 @pytest.fixture
 def make(monkeypatch):
     """make(settings, kv_role="kv_producer", stock=False, **SchedulerHarness kwargs): a harness
-    whose scheduler is SloScheduler (vLLM's Scheduler if ``stock``), clock fixed at NOW."""
+    whose scheduler is SloScheduler (vLLM's own if ``stock``), clock fixed at NOW. With
+    ``async_scheduling=True``: AsyncSloScheduler (vLLM's AsyncScheduler if ``stock``)."""
     made: list[SchedulerHarness] = []
 
     def factory(settings: dict[str, Any] | None = None, kv_role: str = "kv_producer", *,
@@ -56,7 +58,11 @@ def make(monkeypatch):
         with mock.patch.object(vllm_harness, "Scheduler", cls):
             h = SchedulerHarness(kv_role, **kw)
         made.append(h)
-        assert type(h.scheduler) is cls
+        on_async = kw.get("async_scheduling", False)
+        if stock:
+            assert type(h.scheduler) is (AsyncScheduler if on_async else Scheduler)
+        else:
+            assert type(h.scheduler) is (AsyncSloScheduler if on_async else SloScheduler)
         if not stock:
             h.scheduler.clock = lambda: NOW
         return h
@@ -101,6 +107,18 @@ def test_scheduler_cls_flag_selects_slo_scheduler():
     assert issubclass(SloScheduler, Scheduler)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_slo_scheduler_runs_on_the_scheduler_that_async_scheduling_asks_for(make,
+                                                                           async_scheduling):
+    """The one class name, two bases: vLLM's AsyncScheduler when async scheduling is on (its
+    GPU default), its Scheduler otherwise; the plugin's own behaviour on both."""
+    h = make({"ttft_s": 10.0}, async_scheduling=async_scheduling)
+    assert isinstance(h.scheduler, SloScheduler)
+    assert isinstance(h.scheduler, AsyncScheduler) is async_scheduling
+    assert type(SloScheduler.__new__(SloScheduler, vllm_config=h.vllm_config)) is \
+        (AsyncSloScheduler if async_scheduling else SloScheduler)
+
+
 def test_settings_come_from_extra_config_then_env_then_defaults():
     env = {ENV_VAR: json.dumps({"ttft_s": 3.0})}
     assert load_settings({"scheduler": {"ttft_s": 1.5}}, env).ttft_s == 1.5
@@ -138,8 +156,10 @@ def test_token_budget_above_vllms_is_refused_at_start(make):
 # ---- 1. deadline-aware ordering --------------------------------------------------------------
 
 
-def test_earliest_deadline_first(make):
-    h = make({"ttft_s": 10.0, "held_kv_share": 1.0}, max_num_seqs=1)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_earliest_deadline_first(make, async_scheduling):
+    h = make({"ttft_s": 10.0, "held_kv_share": 1.0}, max_num_seqs=1,
+             async_scheduling=async_scheduling)
     # STEP 1: the long-deadline request arrives (and is added) first.
     slow = add(h, 32, age_s=1.0, ttft_s=5.0)   # deadline NOW + 4
     fast = add(h, 32, age_s=0.5, ttft_s=0.5)   # deadline NOW
@@ -154,16 +174,20 @@ def test_earliest_deadline_first(make):
     h.assert_no_leak()
 
 
-def test_counters_reach_prometheus_through_the_connectors_stats(make):
+@pytest.mark.parametrize("kv_role", ["kv_producer", "kv_consumer"])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_counters_reach_prometheus_through_the_connectors_stats(make, kv_role, async_scheduling):
     """Each step's SchedulerStats carries the counters' increase; DisaggConnector's Prometheus
-    metrics turn it into vllm:kvdisagg_sched_* counters."""
+    metrics turn it into vllm:kvdisagg_sched_* counters (kv_consumer: how a colocated instance
+    gets them, docs/scheduler.md)."""
     import functools
 
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
     from kvdisagg.connector.connector import DisaggConnector
 
-    h = make({"ttft_s": 10.0, "held_kv_share": 1.0}, max_num_seqs=1)
+    h = make({"ttft_s": 10.0, "held_kv_share": 1.0}, kv_role, max_num_seqs=1,
+             async_scheduling=async_scheduling)
     add(h, 32, age_s=1.0, ttft_s=5.0)
     add(h, 32, age_s=0.5, ttft_s=0.5)  # goes first: one reordering step
     steps = h.run(3)
@@ -283,10 +307,11 @@ def test_held_kv_below_share_lets_new_prompts_in(make):
 # ---- 4. decode TPOT cap ----------------------------------------------------------------------
 
 
-def test_tpot_cap_bounds_the_batch_without_preempting(make):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_tpot_cap_bounds_the_batch_without_preempting(make, async_scheduling):
     # 0.02 + 0.01 * batch <= 0.05  ->  batch <= 3
     h = make({"tpot_s": 0.05, "decode_base_s": 0.02, "decode_per_seq_s": 0.01},
-             max_num_seqs=16, num_blocks=128)
+             max_num_seqs=16, num_blocks=128, async_scheduling=async_scheduling)
     reqs = [add(h, 20, max_tokens=6) for _ in range(7)]
     steps = h.drain()
     batch = [len(s.scheduled) for s in steps]
@@ -320,10 +345,12 @@ def workload(h: SchedulerHarness) -> list[list[tuple[str, int]]]:
     return seen
 
 
-def test_stock_policy_schedules_exactly_like_vllm(make):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stock_policy_schedules_exactly_like_vllm(make, async_scheduling):
     settings = {"policy": "stock", "max_batched_tokens": 64, "tpot_s": 0.05,
                 "decode_base_s": 0.02, "decode_per_seq_s": 0.01, "held_kv_share": 0.01}
-    kw = dict(max_num_seqs=4, max_num_batched_tokens=256, num_blocks=96)
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=256, num_blocks=96,
+              async_scheduling=async_scheduling, overlap=async_scheduling)
     vllm_run = workload(make(stock=True, **kw))
     stock_run = workload(make(settings, **kw))
     assert stock_run == vllm_run

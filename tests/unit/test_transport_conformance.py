@@ -2,6 +2,8 @@
 decode here, the same seeded KV on both ends, all on loopback.
 
 tcp, nccl (gloo on CPU), mooncake (its TCP protocol) and lmcache (a real LMCache server).
+Instances sharded differently (another TP or PP on each side): one peer process per prefill
+rank, one transport here per decode rank, each decode rank pulling its Parts (sharding.py).
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import pytest
 import torch
 
 from kvdisagg.config import ConnectorConfig
-from kvdisagg.errors import ChecksumMismatch, TransportError
+from kvdisagg.errors import ChecksumMismatch, IncompatiblePeerError, TransportError
+from kvdisagg.sharding import Shape, plan
 from kvdisagg.testing.servers import LMCacheServer, free_port
-from tests.support.transport_peer import (BLOCK_SIZE, KV_LAYOUT, PeerProcess, kv_caches,
-                                             open_transport)
+from tests.support.transport_peer import (BLOCK_SIZE, KV_LAYOUT, PeerProcess, geometry,
+                                          kv_caches, model_kv, open_transport, shard_caches)
 from kvdisagg.transport import Fetch, PullTiming
 
 TRANSPORTS = ["tcp", "nccl", "mooncake", "lmcache"]
@@ -33,16 +36,21 @@ def lmcache_server():
         yield server
 
 
-@pytest.fixture(params=TRANSPORTS)
-def pair(request):
-    """(name, extra config, peer, decode transport, decode KV)."""
-    name = request.param
+def extra_config(name: str, request) -> dict:
     extra = {"transfer_timeout_seconds": TIMEOUT_S, "side_channel_host": "127.0.0.1"}
     if name == "lmcache":
         extra |= {"lmcache_url": request.getfixturevalue("lmcache_server").url,
                   "lmcache_chunk_tokens": 2 * BLOCK_SIZE}
     if name == "mooncake":
         extra |= {"mooncake_protocol": "tcp"}
+    return extra
+
+
+@pytest.fixture(params=TRANSPORTS)
+def pair(request):
+    """(name, extra config, peer, decode transport, decode KV)."""
+    name = request.param
+    extra = extra_config(name, request)
     peer = PeerProcess(name, extra, seed=SEED)
     config = msgspec.convert({**extra, "transport": name}, ConnectorConfig)
     dst = kv_caches(None)
@@ -329,3 +337,147 @@ def test_a_byte_flipped_in_flight_fails_the_fetch_and_nothing_leaks(pair, checks
     token = peer.offer("good", [7, 8], prompt)
     decode.fetch(fetch_of(peer, "good", token, [7, 8], [0, 1], prompt), TIMEOUT_S)
     assert_moved(dst, [7, 8], [0, 1])
+
+
+# ---- instances sharded differently -----------------------------------------------------------
+
+LAYERS = 2
+SHAPES = {  # id: (the model's KV heads, prefill, decode)
+    "tp2-to-tp1pp2": (2, Shape(2), Shape(1, (0, 1))),  # heads gathered, layers split by stage
+    "tp1pp2-to-tp2": (2, Shape(1, (0, 1)), Shape(2)),  # heads split, layers from both stages
+    "mqa-tp2-to-tp1": (1, Shape(2), Shape(1)),  # one KV head on two ranks: a replica released
+}
+
+
+@pytest.mark.parametrize("case", SHAPES)
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_sharded_instances_pull_each_ranks_heads_and_layers(name, case, request):
+    """Each decode rank ends up with exactly its heads of its layers (the model's KV, whatever
+    rank held it on prefill); each prefill rank frees the handoff only after the last decode
+    rank reading it said Done (a replica nobody reads: after its release)."""
+    kv_heads, prefill, decode = SHAPES[case]
+    extra = extra_config(name, request)
+    config = msgspec.convert({**extra, "transport": name}, ConnectorConfig)
+    geo = geometry(kv_heads, LAYERS)
+    peers: list[PeerProcess] = []
+    decodes = []
+    try:
+        for p in range(prefill.world):
+            pp, tp = divmod(p, prefill.tp)
+            peers.append(PeerProcess(name, extra, seed=SEED, rank=p, shape=prefill,
+                                     shard=(prefill.layers(pp, LAYERS),
+                                            prefill.heads(tp, kv_heads), kv_heads)))
+        for d in range(decode.world):
+            pp, tp = divmod(d, decode.tp)
+            caches = shard_caches(None, decode.layers(pp, LAYERS), decode.heads(tp, kv_heads),
+                                  kv_heads)
+            transport, _ = open_transport(config, caches, is_producer=False, geometry=geo,
+                                          rank=d, shape=decode)
+            decodes.append((transport, caches, pp, tp))
+        remote, local, prompt = [2, 3, 9], [7, 8, 0], prompt_for(3)
+        token = "t-" + case
+        for peer in peers:
+            peer.offer("h", remote, prompt, token=token)
+        parts = plan(prefill, decode, kv_heads, LAYERS)
+
+        def pull(d: int) -> int:
+            transport = decodes[d][0]
+            return sum(transport.fetch(Fetch(
+                handoff_id="h", token=token, host="127.0.0.1", port=peers[part.src].port,
+                kv_layout=KV_LAYOUT, remote_block_ids=tuple(remote),
+                local_block_ids=tuple(local), prompt_token_ids=tuple(prompt), part=part,
+                prefill=prefill), TIMEOUT_S) for part in parts[d])
+
+        pull(0)
+        if name in PULL:  # a prefill rank another decode rank still reads keeps the handoff
+            waiting = {part.src for part in parts[0] if part.readers > 1}
+            for p in waiting:
+                assert "h" not in peers[p].released({"h"}, within_s=0.3), (case, p)
+        with ThreadPoolExecutor(decode.world) as pool:
+            list(pool.map(pull, range(1, decode.world)))
+        for transport, caches, pp, tp in decodes:
+            heads = list(decode.heads(tp, kv_heads))
+            for layer in decode.layers(pp, LAYERS):
+                want = model_kv(SEED, layer, kv_heads)[remote][:, heads]
+                assert torch.equal(caches[f"layer.{layer}"][local], want), (case, pp, tp, layer)
+                others = [b for b in range(32) if b not in local]
+                assert torch.count_nonzero(caches[f"layer.{layer}"][others]) == 0
+        if name in PULL:
+            for p, peer in enumerate(peers):
+                assert "h" in peer.released({"h"}), (case, p)
+    finally:
+        for transport, *_ in decodes:
+            transport.close()
+        for peer in peers:
+            peer.close()
+
+
+@pytest.mark.parametrize("name", sorted(PULL))
+def test_a_pair_that_cannot_work_is_refused_naming_what_differs(name, request):
+    """Hello of a decode whose block size and KV heads differ: refused, both named."""
+    extra = extra_config(name, request)
+    peer = PeerProcess(name, extra, seed=SEED, shard=([0, 1], [0, 1], 2), shape=Shape(1))
+    config = msgspec.convert({**extra, "transport": name}, ConnectorConfig)
+    theirs = msgspec.structs.replace(geometry(2, LAYERS), block_size=32, kv_heads=4)
+    decode, _ = open_transport(config, shard_caches(None, [0, 1], [0, 1], 2),
+                               is_producer=False, geometry=theirs)
+    decode.kv_layout = theirs.fingerprint()
+    try:
+        prompt = prompt_for(1)
+        token = peer.offer("x", [1], prompt)
+        fetch = Fetch(handoff_id="x", token=token, host="127.0.0.1", port=peer.port,
+                      kv_layout=decode.kv_layout, remote_block_ids=(1,), local_block_ids=(0,))
+        with pytest.raises(IncompatiblePeerError, match="block_size: prefill 16, decode 32; "
+                                                 "kv_heads: prefill 2, decode 4"):
+            decode.fetch(fetch, TIMEOUT_S)
+    finally:
+        decode.close()
+        peer.close()
+
+
+# ---- liveness, not duration ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(PULL))
+def test_a_slow_live_prefill_never_fails_a_pull(name, request):
+    """The Read comes long before prefill's engine offers the handoff (a step that takes three
+    transfer timeouts, on a starved host): prefill says it is alive (Wait) and the pull waits
+    for the offer, then moves the bytes. A stopped prefill is an error after one timeout (see
+    test_peer_stalled_mid_service...), a killed one at once."""
+    extra = extra_config(name, request) | {"transfer_timeout_seconds": 1.0}
+    peer = PeerProcess(name, extra, seed=SEED)
+    config = msgspec.convert({**extra, "transport": name}, ConnectorConfig)
+    dst = kv_caches(None)
+    decode, _ = open_transport(config, dst, is_producer=False)
+    try:
+        prompt = prompt_for(2)
+        assert peer.ask(op="step", running=True) == {"ok": True}  # a long step begins
+        with ThreadPoolExecutor(1) as pool:
+            started = time.monotonic()
+            pulled = pool.submit(decode.fetch, fetch_of(peer, "late", "tok", [2, 3], [0, 1],
+                                                        prompt), 1.0)
+            time.sleep(3.0)
+            assert not pulled.done()
+            peer.offer("late", [2, 3], prompt, token="tok")  # the next step offers it
+            peer.ask(op="step", running=False)
+            pulled.result(timeout=10)
+        assert time.monotonic() - started >= 3.0
+        assert_moved(dst, [2, 3], [0, 1])
+        # An id no step offers is refused once the engine took two steps without it.
+        peer.ask(op="step", running=True)
+        with ThreadPoolExecutor(1) as pool:
+            refused = pool.submit(decode.fetch, fetch_of(peer, "never", "tok", [4], [2],
+                                                         prompt), 1.0)
+            time.sleep(0.5)
+            for running in (False, True, False, True):
+                peer.ask(op="step", running=running)
+            with pytest.raises(TransportError, match="unknown"):
+                refused.result(timeout=10)
+        peer.kill()
+        start = time.monotonic()
+        with pytest.raises(TransportError):
+            decode.fetch(fetch_of(peer, "gone", "tok", [4], [2], prompt), 30.0)
+        assert time.monotonic() - start < 2.0  # a dead peer: its connections reset at once
+    finally:
+        decode.close()
+        peer.close()

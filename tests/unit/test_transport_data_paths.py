@@ -14,11 +14,12 @@ import torch
 
 from kvdisagg.config import ConnectorConfig
 from kvdisagg.errors import TransferFailed
-from kvdisagg.layout import LayerRegion, copy_runs, layer_regions, with_arena
-from kvdisagg.transport.mooncake import MemoryInfo, _address
+from kvdisagg.layout import (LayerRegion, copy_runs, layer_regions, pull_slices, whole_slices,
+                             with_arena)
+from kvdisagg.transport.mooncake import MemoryInfo, MooncakeTransport, _address
 from kvdisagg.transport import nccl
 from kvdisagg.transport.nccl import NcclTransport, plan_messages, spans
-from kvdisagg.transport.pull import Deadline
+from kvdisagg.transport.pull import Deadline, PullPlan
 from kvdisagg.transport.tcp import TcpTransport
 
 
@@ -46,11 +47,12 @@ def random_pull(rng: random.Random, num_blocks: int) -> tuple[list[int], list[in
     return src, dst
 
 
-def kv(num_blocks: int, layers: int = 3, seed: int | None = 0, arena: int = 0
-       ) -> list[LayerRegion]:
+def kv(num_blocks: int, layers: int = 3, seed: int | None = 0, arena: int = 0,
+       heads: int = 2) -> list[LayerRegion]:
     g = torch.Generator().manual_seed(seed or 0)
-    caches = {f"layer.{i}": (torch.rand((num_blocks, 2, 4, 8), generator=g) if seed is not None
-                             else torch.zeros((num_blocks, 2, 4, 8))) for i in range(layers)}
+    shape = (num_blocks, heads, 4, 8)
+    caches = {f"layer.{i}": (torch.rand(shape, generator=g) if seed is not None
+                             else torch.zeros(shape)) for i in range(layers)}
     regions = layer_regions(caches)
     if arena:
         regions = with_arena(regions, arena)
@@ -61,6 +63,25 @@ def kv(num_blocks: int, layers: int = 3, seed: int | None = 0, arena: int = 0
 
 def row(region: LayerRegion, block: int) -> torch.Tensor:
     return region.rows(block, 1)[0]
+
+
+def whole(regions: list[LayerRegion], src: list[int], dst: list[int]) -> PullPlan:
+    """A pull of every layer and head (both sides sharded alike)."""
+    return PullPlan(copy_runs(len(regions), src, dst), whole_slices(regions),
+                    tuple(range(len(regions))), (0, 0))
+
+
+def window(regions: list[LayerRegion], src: list[int], dst: list[int], first: int, heads: int,
+           src_heads: tuple[int, int]) -> PullPlan:
+    """A pull of heads ``first..`` of this side's pages (the other side's TP differs)."""
+    layers = tuple(range(len(regions)))
+    return PullPlan(copy_runs(len(layers), src, dst), pull_slices(regions, layers, first, heads),
+                    layers, src_heads)
+
+
+def head(region: LayerRegion, block: int, h: int) -> torch.Tensor:
+    size = region.head_bytes
+    return row(region, block)[h * size:(h + 1) * size]
 
 
 # ---- nccl: message plans ----------------------------------------------------------------------
@@ -156,10 +177,10 @@ def test_nccl_pull_moves_each_block_into_its_destination(rng: Seeded, staged: bo
     if staged:
         src = [40 + i for i in rng.sample(range(16), min(len(src), 16))]
         dst = dst[:len(src)]
-    runs = copy_runs(3, src, dst)
     group = FakeGroup()
-    nccl_side(src_regions).send(group, Sock(), runs, Deadline(5, "test"), b"")
-    nccl_side(dst_regions).recv(group, Sock(), runs, Deadline(5, "test"))
+    nccl_side(src_regions).send(group, Sock(), whole(src_regions, src, dst), Deadline(5, "test"),
+                                b"")
+    nccl_side(dst_regions).recv(group, Sock(), whole(dst_regions, src, dst), Deadline(5, "test"))
     assert not group.sent
     for s_region, d_region in zip(src_regions, dst_regions):
         for s, d in zip(src, dst):
@@ -171,11 +192,35 @@ def test_nccl_pull_moves_each_block_into_its_destination(rng: Seeded, staged: bo
 def test_nccl_pull_is_one_message_per_cap_not_per_run() -> None:
     src_regions, dst_regions = kv(64, seed=1), kv(64, seed=None)
     src, dst = list(range(0, 64, 2)), list(range(32))  # 32 runs per layer
-    runs = copy_runs(3, src, dst)
     group = FakeGroup()
-    nccl_side(src_regions).send(group, Sock(), runs, Deadline(5, "test"), b"")
-    nccl_side(dst_regions).recv(group, Sock(), runs, Deadline(5, "test"))
-    assert len(runs) == 96 and group.messages == 1
+    plan = whole(src_regions, src, dst)
+    nccl_side(src_regions).send(group, Sock(), plan, Deadline(5, "test"), b"")
+    nccl_side(dst_regions).recv(group, Sock(), whole(dst_regions, src, dst), Deadline(5, "test"))
+    assert len(plan.runs) == 96 and group.messages == 1
+
+
+@pytest.mark.parametrize("cap", [3 * 128, 4 << 20])
+@pytest.mark.parametrize("split", ["split", "gather"])
+def test_nccl_pull_of_some_heads_moves_each_head_into_its_place(rng: Seeded, split: str,
+                                                                cap: int, monkeypatch) -> None:
+    """Another TP on each side: decode's one head from prefill's second of two (split), or
+    prefill's one head into decode's second of two (gather); the other head untouched."""
+    monkeypatch.setitem(nccl.MESSAGE_BYTES, "gloo", cap)
+    src_heads, dst_heads = (2, 1) if split == "split" else (1, 2)
+    src_regions = kv(40, seed=rng.seed_value + 1, heads=src_heads)
+    dst_regions = kv(40, seed=None, heads=dst_heads)
+    src, dst = random_pull(rng, 32)
+    src_first, dst_first = (1, 0) if split == "split" else (0, 1)
+    group = FakeGroup()
+    nccl_side(src_regions).send(group, Sock(), window(src_regions, src, dst, src_first, 1,
+                                                      (src_first, 1)), Deadline(5, "t"), b"")
+    nccl_side(dst_regions).recv(group, Sock(), window(dst_regions, src, dst, dst_first, 1,
+                                                      (src_first, 1)), Deadline(5, "t"))
+    for s_region, d_region in zip(src_regions, dst_regions):
+        for s, d in zip(src, dst):
+            assert torch.equal(head(d_region, d, dst_first), head(s_region, s, src_first)), rng
+            if dst_heads == 2:
+                assert int(head(d_region, d, 1 - dst_first).count_nonzero()) == 0, rng
 
 
 # ---- tcp: byte views ---------------------------------------------------------------------------
@@ -187,13 +232,26 @@ def test_tcp_views_are_the_runs_bytes_in_order_merged(rng: Seeded) -> None:
     transport.regions = regions
     transport.attach(regions, is_producer=True)
     src, dst = random_pull(rng, 48)
-    runs = copy_runs(3, src, dst)
+    plan = whole(regions, src, dst)
     for side, ids in (("src", src), ("dst", dst)):
-        views = transport._views(runs, side)
+        views = transport._views(plan, side)
         assert views is not None
         expected = b"".join(row(r, b).numpy().tobytes() for r in regions for b in ids)
         assert b"".join(bytes(v) for v in views) == expected, rng
-        assert len(views) <= len(runs)
+        assert len(views) <= len(plan.runs)
+
+
+def test_tcp_views_of_some_heads_are_those_heads_of_each_block(rng: Seeded) -> None:
+    regions = kv(40, seed=rng.seed_value, heads=4)
+    transport = TcpTransport(ConnectorConfig())
+    transport.regions = regions
+    transport.attach(regions, is_producer=True)
+    src, dst = random_pull(rng, 40)
+    first, count = rng.randint(0, 2), 2  # heads 0-1, 1-2 or 2-3 of 4
+    views = transport._views(window(regions, src, dst, first, count, (first, count)), "src")
+    expected = b"".join(head(r, b, h).numpy().tobytes() for r in regions for b in src
+                        for h in range(first, first + count))
+    assert b"".join(bytes(v) for v in views) == expected, rng
 
 
 # ---- mooncake: addresses -----------------------------------------------------------------------
@@ -208,3 +266,32 @@ def test_mooncake_address_of_pages_arena_and_out_of_range() -> None:
         _address(memory, 0, 3, 2, "prefill's")  # straddles pages and arena
     with pytest.raises(TransferFailed, match="not decode's"):
         _address(memory, 0, 6, 1, "decode's")
+
+
+def test_mooncake_reads_a_window_per_block_at_both_sides_addresses() -> None:
+    """Decode (1 head) reads prefill's second head of two: one range per block, at each side's
+    base + block * page + the heads' offset."""
+    dst_regions = kv(8, layers=2, seed=None, heads=1)
+    transport = MooncakeTransport(ConnectorConfig())
+    transport.regions = dst_regions
+    transport._memory = MemoryInfo(endpoint="", bases=[r.pages.data_ptr() for r in dst_regions],
+                                   page_bytes=[r.page_bytes for r in dst_regions],
+                                   num_blocks=[8, 8], layers=[0, 1], heads=[1, 1])
+    prefill = MemoryInfo(endpoint="p:1", bases=[10_000, 50_000], page_bytes=[256, 256],
+                         num_blocks=[8, 8], layers=[0, 1], heads=[2, 2])
+    calls = []
+
+    class Engine:
+        def batch_transfer_sync_read(self, endpoint, local, remote, lengths):
+            calls.append((list(local), list(remote), list(lengths)))
+            return 0
+
+    transport.engine = Engine()
+    plan = window(dst_regions, [3, 4], [0, 1], 0, 1, (1, 1))
+    transport.recv(prefill, Sock(), plan, Deadline(5, "t"))
+    ((local, remote, lengths),) = calls
+    base = [r.pages.data_ptr() for r in dst_regions]
+    assert remote == [10_000 + 3 * 256 + 128, 10_000 + 4 * 256 + 128,
+                      50_000 + 3 * 256 + 128, 50_000 + 4 * 256 + 128]
+    assert local == [base[0], base[0] + 128, base[1], base[1] + 128]
+    assert lengths == [128] * 4

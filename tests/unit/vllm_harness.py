@@ -29,6 +29,13 @@ list every SendSpec/LoadSpec emitted so far. To drive several steps:
 A report is ``finished_sending``/``finished_recving``/``failed_recving`` (sets of request ids),
 ``eos`` (requests that sample EOS) and ``worker_meta`` (the aggregated worker metadata).
 ``SchedulerHarness(handshake_extra=...)`` adds fields to the workers' WorkerHandshake.
+``SchedulerHarness(async_scheduling=True)`` builds the scheduler vLLM picks with async scheduling
+on, ``AsyncScheduler`` (vLLM's default on GPUs; CPU instances force it off), whose steps the
+harness runs one after the other (each step's output before the next schedule); with
+``overlap=True`` too, ``step`` is one turn of EngineCore's ``step_with_batch_queue`` instead: it
+schedules the next batch while the previous one is still out (two in flight), and hands a batch's
+output to the scheduler only when the queue is full or nothing more can be scheduled. A report
+given to a turn that hands no output back is kept for the next one that does.
 ``h.assert_no_leak()`` checks the scheduler (queues, blocks, ref counts) and the connector: every
 non-empty container attribute of DisaggScheduler (but CONNECTOR_STATE_EXEMPT) and every handoff
 its lease keeper still holds count as leftovers, so a new per-request container is covered without
@@ -58,6 +65,7 @@ from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfi
                          SchedulerConfig, VllmConfig)
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput
@@ -71,6 +79,7 @@ from kvdisagg.connector.metadata import DisaggMetadata, LoadSpec, SendSpec, Work
 from kvdisagg.connector.scheduler import DisaggScheduler
 from kvdisagg.protocol import handoff_params
 
+_VLLM_SCHEDULER = Scheduler
 EOS_TOKEN_ID = 2
 SAMPLED_TOKEN_ID = 7  # what the fake model runner "samples" (never EOS)
 HANDSHAKE_PORT = 47000  # advertised by the fake TP-rank-0 worker (nothing listens)
@@ -81,6 +90,7 @@ TRANSPORT = "tcp"
 CONNECTOR_STATE_EXEMPT = frozenset({
     "ports",  # from the handshake
     "_free_slots",  # prefill's free staging-arena blocks (not per request)
+    "shape",  # this instance's TP and PP stages (from the handshake)
 })
 
 # A config.json is all vLLM's ModelConfig needs (skip_tokenizer_init): Llama shape of
@@ -126,13 +136,14 @@ def make_vllm_config(kv_role: str, *, block_size: int = 16, max_num_seqs: int = 
                      enable_prefix_caching: bool = True,
                      kv_load_failure_policy: str = "fail",
                      extra_config: dict[str, Any] | None = None,
-                     engine_id: str | None = None) -> VllmConfig:
+                     engine_id: str | None = None,
+                     async_scheduling: bool = False) -> VllmConfig:
     model_config = ModelConfig(model=_model_dir(), skip_tokenizer_init=True, dtype="float32",
                                seed=0, max_model_len=max_model_len)
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len, enable_chunked_prefill=True, is_encoder_decoder=False,
-        async_scheduling=False)
+        async_scheduling=async_scheduling)
     cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
     kv_transfer_config = KVTransferConfig(
         kv_connector="DisaggConnector", kv_connector_module_path="kvdisagg.connector",
@@ -170,7 +181,8 @@ class SchedulerHarness:
                  kv_load_failure_policy: str = "fail", extra_config: dict[str, Any] | None = None,
                  ports: Iterable[int] = (HANDSHAKE_PORT,), kv_layout: str = KV_LAYOUT,
                  transport: str = TRANSPORT, engine_id: str | None = None,
-                 handshake: bool = True, handshake_extra: dict[str, Any] | None = None) -> None:
+                 handshake: bool = True, handshake_extra: dict[str, Any] | None = None,
+                 async_scheduling: bool = False, overlap: bool = False) -> None:
         _init_hashing()
         self.block_size = block_size
         self.vllm_config = make_vllm_config(
@@ -178,13 +190,19 @@ class SchedulerHarness:
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
             kv_load_failure_policy=kv_load_failure_policy, extra_config=extra_config,
-            engine_id=engine_id)
+            engine_id=engine_id, async_scheduling=async_scheduling)
+        # The CPU platform forces async scheduling off when the config is built; a GPU host
+        # keeps vLLM's default, on: set it back as it would be there.
+        self.vllm_config.scheduler_config.async_scheduling = async_scheduling
         kv_cache_config = KVCacheConfig(
             num_blocks=num_blocks, kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec(["layer"], FullAttentionSpec(
                 block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32))])
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
-        self.scheduler = Scheduler(
+        # What vLLM builds: the class of --scheduler-cls (Scheduler here unless a test patches
+        # it), or AsyncScheduler with async scheduling on and no class given.
+        cls = AsyncScheduler if async_scheduling and Scheduler is _VLLM_SCHEDULER else Scheduler
+        self.scheduler = cls(
             vllm_config=self.vllm_config, kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(self.vllm_config),
             block_size=block_size, log_stats=True)
@@ -201,6 +219,10 @@ class SchedulerHarness:
         self.initial_free_blocks = self.free_blocks()
         self.history: list[Step] = []
         self._ids = itertools.count(1)
+        self.overlap = overlap
+        self._queue: collections.deque[tuple[Step, set[str]]] = collections.deque()
+        self._report: dict[str, Any] = {}
+        self.most_in_flight = 0  # overlap: the most batches scheduled and not yet answered
 
     def close(self) -> None:
         """Scheduler.shutdown (the connector stops its threads)."""
@@ -302,6 +324,11 @@ class SchedulerHarness:
         added to ``finished_recving`` here. ``eos``: these requests sample EOS this step.
         ``worker_meta``: the aggregated KVConnectorWorkerMetadata (build_connector_worker_meta).
         """
+        if self.overlap:
+            return self._batch_queue_turn(dict(finished_sending=finished_sending,
+                                               finished_recving=finished_recving,
+                                               failed_recving=failed_recving, eos=eos,
+                                               worker_meta=worker_meta))
         sched_out = self.scheduler.schedule()
         meta = sched_out.kv_connector_metadata
         assert isinstance(meta, DisaggMetadata), meta
@@ -321,14 +348,59 @@ class SchedulerHarness:
         self.history.append(step)
         return step
 
+    def _batch_queue_turn(self, report: dict[str, Any]) -> Step:
+        """One turn of vLLM's step_with_batch_queue (queue of 2), as ``step`` (see the module's
+        docstring). Returns the step scheduled this turn, else the one whose output came back."""
+        for key, value in report.items():
+            if key == "worker_meta":
+                if value is not None:
+                    old = self._report.get(key)
+                    self._report[key] = value if old is None else old.aggregate(value)
+            elif value:
+                self._report.setdefault(key, set()).update(value)
+        scheduled = None
+        if self.scheduler.has_requests():
+            sched_out = self.scheduler.schedule()
+            meta = sched_out.kv_connector_metadata
+            assert isinstance(meta, DisaggMetadata), meta
+            scheduled = Step(len(self.history), sched_out, meta)
+            self.history.append(scheduled)
+            self._queue.appendleft((scheduled, self._sampling(sched_out)))
+            self.most_in_flight = max(self.most_in_flight, len(self._queue))
+            if len(self._queue) < 2 and (sched_out.total_num_scheduled_tokens > 0
+                                         or self.scheduler.has_requests()):
+                return scheduled
+        elif not self._queue:
+            return self.history[-1] if self.history else scheduled  # type: ignore[return-value]
+        step, sampling = self._queue.pop()
+        report, self._report = self._report, {}
+        failed = set(report.get("failed_recving", ()))
+        kv_out = KVConnectorOutput(
+            finished_sending=set(report.get("finished_sending", ())) or None,
+            finished_recving=(set(report.get("finished_recving", ())) | failed) or None,
+            failed_recving=failed, kv_connector_worker_meta=report.get("worker_meta"))
+        eos = set(report.get("eos", ()))
+        runner_out = self._runner_output(step.sched_out, kv_out, eos, sampling)
+        for eco in self.scheduler.update_from_output(step.sched_out, runner_out).values():
+            step.stats = eco.scheduler_stats or step.stats
+            for out in eco.outputs:
+                step.outputs.setdefault(out.request_id, []).append(out)
+        return scheduled or step
+
+    def _sampling(self, sched_out: SchedulerOutput) -> set[str]:
+        """Requests of a just scheduled batch whose prompt it completes (they sample a token);
+        a chunk that does not finish the prompt samples nothing (the runner drops it)."""
+        return {rid for rid in sched_out.num_scheduled_tokens
+                if (req := self.scheduler.requests[rid]).num_computed_tokens >= req.num_tokens}
+
     def _runner_output(self, sched_out: SchedulerOutput, kv_out: KVConnectorOutput,
-                       eos: set[str]) -> ModelRunnerOutput:
+                       eos: set[str], sampling: set[str] | None = None) -> ModelRunnerOutput:
         req_ids = list(sched_out.num_scheduled_tokens)
+        if sampling is None:
+            sampling = self._sampling(sched_out)
         sampled = []
         for rid in req_ids:
-            req = self.scheduler.requests[rid]
-            # A chunk that does not finish the prompt samples nothing (the runner drops it).
-            done = req.num_computed_tokens >= req.num_tokens
+            done = rid in sampling
             sampled.append([EOS_TOKEN_ID if rid in eos else SAMPLED_TOKEN_ID] if done else [])
         return ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -359,8 +431,10 @@ class SchedulerHarness:
         raise AssertionError(f"condition not met in {max_steps} steps")
 
     def drain(self, max_steps: int = 200) -> list[Step]:
-        """Step until the scheduler holds no request that could still be scheduled."""
-        return self.run_until(lambda s: not self.scheduler.has_unfinished_requests(), max_steps)
+        """Step until the scheduler holds no request that could still be scheduled (and, with
+        ``overlap``, no batch is still out)."""
+        return self.run_until(lambda s: not self.scheduler.has_unfinished_requests()
+                              and not self._queue, max_steps)
 
     # ---- leak checks ----
     def assert_blocks_free(self) -> None:

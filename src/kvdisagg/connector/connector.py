@@ -27,8 +27,7 @@ def _prefix_lookup(vllm_config: VllmConfig, config: ConnectorConfig) -> Any:
         return None
     from kvdisagg.transport.lmcache import PrefixLookup
 
-    return PrefixLookup(config, vllm_config.cache_config.block_size,
-                        vllm_config.parallel_config.tensor_parallel_size)
+    return PrefixLookup(config, vllm_config.cache_config.block_size)
 
 
 class DisaggConnector(KVConnectorBase_V1):

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from kvdisagg.errors import KvDisaggError
+from kvdisagg.layout import KvGeometry
 from kvdisagg.protocol import Done, HandoffRef, Hello, Message, Renew, Reply, recv_frame, send_frame
 from kvdisagg.threads import start_thread
 
@@ -30,7 +31,7 @@ MIN_INTERVAL_S = 0.2
 
 @dataclass(frozen=True)
 class Held:
-    """A handoff that decode holds, and where prefill keeps it (one port per TP rank)."""
+    """A handoff that decode holds, and where prefill keeps it (one port per prefill rank)."""
 
     handoff_id: str
     token: str
@@ -40,8 +41,10 @@ class Held:
 
 
 class LeaseKeeper:
-    def __init__(self, kv_layout: str, transport: str, timeout_s: float) -> None:
+    def __init__(self, kv_layout: str, transport: str, timeout_s: float,
+                 geometry: KvGeometry | None = None) -> None:
         self.kv_layout, self.transport, self.timeout_s = kv_layout, transport, timeout_s
+        self.geometry = geometry
         self._held: dict[str, Held] = {}  # decode request id -> its handoff
         self._fresh: list[Held] = []  # held since the last round: renewed at once
         self._releases: list[Held] = []
@@ -134,7 +137,7 @@ class LeaseKeeper:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             send_frame(sock, Hello(kv_layout=self.kv_layout, transport=self.transport,
-                                   control=True))
+                                   control=True, geometry=self.geometry))
             reply = recv_frame(sock)
             if not isinstance(reply, Reply) or not reply.ok:
                 raise ValueError(f"prefill refused the control connection: "

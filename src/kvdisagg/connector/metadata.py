@@ -8,6 +8,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorHandsh
                                                                KVConnectorMetadata,
                                                                KVConnectorWorkerMetadata)
 
+from kvdisagg.layout import KvGeometry
+from kvdisagg.sharding import Part, Shape
+
 
 @dataclass(frozen=True)
 class SendSpec:
@@ -27,11 +30,17 @@ class SendSpec:
 @dataclass(frozen=True)
 class LoadSpec:
     """Decode: pull ``remote_block_ids`` into ``local_block_ids``; a non-empty ``error`` means
-    the handoff was unusable, and the worker reports the load failed at once."""
+    the handoff was unusable, and the worker reports the load failed at once.
+
+    ``ports``: one per prefill rank (PP-major). ``parts``: what each decode rank (index: its
+    rank, PP-major) reads from which prefill rank (sharding.py); empty: rank r reads all of
+    prefill rank r (store lookups of one's own instance)."""
 
     req_id: str
     host: str = ""
     ports: tuple[int, ...] = ()
+    prefill: Shape | None = None
+    parts: tuple[tuple[Part, ...], ...] = ()
     handoff_id: str = ""
     token: str = ""
     transport: str = ""
@@ -58,6 +67,8 @@ class WorkerHandshake(KVConnectorHandshakeMetadata):
     port: int
     kv_layout: str
     transport: str
+    geometry: KvGeometry | None = None
+    stages: tuple[int, ...] = (0,)  # first layer of each PP stage of this instance
     keyed_by_tokens: bool = False  # the transport needs prompt token ids (store transports)
     num_blocks: int = 0  # paged blocks; arena blocks are numbered from here
     stage_blocks: int = 0  # arena blocks (0: handoffs keep their paged blocks until pulled)
@@ -66,7 +77,7 @@ class WorkerHandshake(KVConnectorHandshakeMetadata):
 @dataclass
 class DisaggWorkerMeta(KVConnectorWorkerMetadata):
     """Worker -> scheduler each step: staged handoffs freed (pulled, released or expired), with
-    how many workers freed each; the arena blocks are reusable once every TP rank has."""
+    how many workers freed each; the arena blocks are reusable once every rank (TP x PP) has."""
 
     released: dict[str, int] = field(default_factory=dict)
 

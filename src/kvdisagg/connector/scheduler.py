@@ -43,6 +43,7 @@ from kvdisagg.connector.metadata import (DisaggMetadata, DisaggWorkerMeta, LoadS
                                          WorkerHandshake)
 from kvdisagg.connector.stats import DisaggStats
 from kvdisagg.protocol import RemotePrefill, handoff_params
+from kvdisagg.sharding import Shape, check, plan
 from kvdisagg.tracing import TRACE_PARAMS_KEY, Tracer, end, traceparent_of, valid_traceparent
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-PrefixLookup = Callable[[Sequence[int], str], int]  # (prompt, kv_layout) -> stored tokens
+PrefixLookup = Callable[[Sequence[int], str, Shape], int]  # (prompt, kv_layout, shape) -> tokens
 HandoffKey = tuple[str, str, str]  # (remote_engine_id, remote_request_id, token)
 
 
@@ -86,6 +87,10 @@ class DisaggScheduler:
         self.engine_id: str = kv.engine_id or ""
         self.is_producer, self.is_consumer = kv.is_kv_producer, kv.is_kv_consumer
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.shape = Shape(self.tp_size)  # this instance's TP and PP stages (from the handshake)
+        model = vllm_config.model_config
+        self.kv_heads, self.num_layers = (model.get_total_num_kv_heads(),
+                                          model.get_total_num_hidden_layers())
         self.block_size = vllm_config.cache_config.block_size
         self.prefix_lookup = prefix_lookup
         self._stored: dict[str, int] = {}  # memo of prefix_lookup per waiting request
@@ -114,10 +119,13 @@ class DisaggScheduler:
         self._staged_freed: dict[str, int] = {}
 
     def set_handshake(self, metadata: dict[tuple[int, int], Any]) -> None:
-        """Learn each TP rank's side-channel port and the layout fingerprint (once, at start)."""
-        ranks = sorted((tp, m) for (pp, tp), m in metadata.items()
-                       if pp == 0 and isinstance(m, WorkerHandshake))
+        """Learn every rank's side-channel port (PP-major: ``pp * tp_size + tp``), the PP stages
+        and the layout fingerprint (once, at start)."""
+        ranks = sorted((key, m) for key, m in metadata.items()
+                       if isinstance(m, WorkerHandshake))
         self.ports = [m.port for _, m in ranks]
+        if ranks:
+            self.shape = Shape(self.tp_size, tuple(ranks[0][1].stages))
         self.kv_layout = ranks[0][1].kv_layout if ranks else ""
         self.transport_name = ranks[0][1].transport if ranks else ""
         self.keyed_by_tokens = bool(ranks and ranks[0][1].keyed_by_tokens)
@@ -126,7 +134,8 @@ class DisaggScheduler:
             self._free_slots = list(range(base, base + min(m.stage_blocks for _, m in ranks)))
         if self.is_consumer and not self.keyed_by_tokens:
             self.leases = LeaseKeeper(self.kv_layout, self.transport_name,
-                                      self.config.transfer_timeout_seconds)
+                                      self.config.transfer_timeout_seconds,
+                                      geometry=ranks[0][1].geometry if ranks else None)
 
     def on_new_request(self, request: Request) -> None:
         """Decode: hold the request's handoff from now on (renewed while it waits)."""
@@ -165,7 +174,7 @@ class DisaggScheduler:
                 end(started[1], failed=req_id in failed_recving)
         for req_id, n in (worker_meta.released.items() if worker_meta else ()):
             self._staged_freed[req_id] = self._staged_freed.get(req_id, 0) + n
-            if self._staged_freed[req_id] >= self.tp_size:
+            if self._staged_freed[req_id] >= self.shape.world:
                 del self._staged_freed[req_id]
                 self._free_slots.extend(self._staged.pop(req_id, ()))
 
@@ -218,7 +227,7 @@ class DisaggScheduler:
         """Leading prompt tokens the store holds, short of the whole prompt (vLLM must compute
         at least the last token to sample)."""
         if request.request_id not in self._stored:
-            stored = self.prefix_lookup(request.prompt_token_ids, self.kv_layout)
+            stored = self.prefix_lookup(request.prompt_token_ids, self.kv_layout, self.shape)
             chunk = self.config.lmcache_chunk_tokens
             while stored >= request.num_prompt_tokens:
                 stored -= chunk
@@ -286,14 +295,23 @@ class DisaggScheduler:
             p = msgspec.convert(raw, RemotePrefill)
         except msgspec.ValidationError as exc:
             return LoadSpec(req_id=req_id, error=f"invalid kv_transfer_params: {exc}")
-        if len(p.kvdisagg.ports) != self.tp_size:
-            return LoadSpec(req_id=req_id, error=f"prefill TP {len(p.kvdisagg.ports)} != "
-                            f"decode TP {self.tp_size}")
+        # Any TP and PP on either side: each decode rank reads its heads and layers from the
+        # prefill ranks holding them (sharding.py).
+        prefill = Shape(p.tp_size, tuple(p.kvdisagg.stages))
+        if len(p.kvdisagg.ports) != prefill.world:
+            return LoadSpec(req_id=req_id, error=f"prefill advertises {len(p.kvdisagg.ports)} "
+                            f"side-channel ports for its {prefill.world} ranks "
+                            f"({prefill.describe()})")
+        if why := check(prefill, self.shape, kv_heads=self.kv_heads, num_layers=self.num_layers):
+            return LoadSpec(req_id=req_id, error=f"cannot pull from prefill {prefill.describe()} "
+                            f"into decode {self.shape.describe()}: {why}")
         if len(p.remote_block_ids) < first + len(local):
             return LoadSpec(req_id=req_id, error=f"prefill offers {len(p.remote_block_ids)} "
                             f"blocks, decode needs {first + len(local)}")
         remote = p.remote_block_ids[first:first + len(local)]
         return LoadSpec(req_id=req_id, host=p.remote_host, ports=tuple(p.kvdisagg.ports),
+                        prefill=prefill,
+                        parts=plan(prefill, self.shape, self.kv_heads, self.num_layers),
                         handoff_id=p.remote_request_id, token=p.kvdisagg.token,
                         transport=p.kvdisagg.transport,
                         kv_layout=p.kvdisagg.kv_layout, remote_block_ids=tuple(remote),
@@ -347,7 +365,8 @@ class DisaggScheduler:
             engine_id=self.engine_id, request_id=request.request_id, block_ids=list(offered),
             host=self.config.side_channel_host, ports=self.ports,
             num_tokens=request.num_computed_tokens, transport=self.transport_name,
-            kv_layout=self.kv_layout, token=token, lease_s=self.config.lease_seconds)
+            kv_layout=self.kv_layout, token=token, lease_s=self.config.lease_seconds,
+            stages=list(self.shape.stages))
 
     def _store_decoded(self, request: Request, block_ids: list[int]) -> bool:
         """Decode with a store transport: the finished request's KV, prompt and answer, goes to

@@ -5,7 +5,8 @@ request's blocks, first copying them into the arena where the scheduler staged t
 handoffs go back to vLLM as ``finished_sending`` (paged blocks vLLM still holds) or to the
 scheduler in worker metadata (arena blocks). Decode: runs each planned fetch on a thread pool
 straight into the request's blocks, and reports every load exactly once, done or failed, so
-vLLM's kv_load_failure_policy decides.
+vLLM's kv_load_failure_policy decides. A load is one fetch per Part of this worker's rank
+(sharding.py): the heads and layers it holds, from each prefill rank holding them.
 
 Must not import connector/scheduler.py.
 """
@@ -22,8 +23,8 @@ from kvdisagg.connector.metadata import (DisaggMetadata, DisaggWorkerMeta, LoadS
                                          WorkerHandshake)
 from kvdisagg.connector.stats import DisaggStats
 from kvdisagg.errors import ChecksumMismatch, KvDisaggError
-from kvdisagg.layout import (LayerRegion, layer_regions, layout_fingerprint, stage_into,
-                             with_arena)
+from kvdisagg.layout import LayerRegion, geometry_of, layer_regions, stage_into, with_arena
+from kvdisagg.sharding import Shape
 from kvdisagg.threads import unbind_current_thread
 from kvdisagg.tracing import Tracer, end, now_ns, traceparent_of
 from kvdisagg.transport import Fetch, Offer, PullTiming, load_transport
@@ -36,13 +37,15 @@ logger = logging.getLogger(__name__)
 
 class DisaggWorker:
     def __init__(self, vllm_config: VllmConfig, config: ConnectorConfig) -> None:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
         kv = vllm_config.kv_transfer_config
         assert kv is not None
         self.vllm_config, self.config = vllm_config, config
         self.is_producer = kv.is_kv_producer
         self.tp_rank = get_tensor_model_parallel_rank()
+        self.shape = instance_shape(vllm_config)
+        self.rank = self.shape.rank(get_pp_group().rank_in_group, self.tp_rank)
         self.transport = load_transport(config, self.tp_rank)
         self.tracer = Tracer.otlp(config.otlp_traces_endpoint,
                                   f"kvdisagg-{'prefill' if self.is_producer else 'decode'}")
@@ -67,16 +70,24 @@ class DisaggWorker:
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         model = self.vllm_config.model_config
         block_size = self.vllm_config.cache_config.block_size
-        self.kv_layout = layout_fingerprint(
-            model=model.model, dtype=str(model.dtype), block_size=block_size,
-            tp_size=self.vllm_config.parallel_config.tensor_parallel_size, kv_caches=kv_caches)
-        self.regions = layer_regions(kv_caches)
+        heads = model.get_num_kv_heads(self.vllm_config.parallel_config)
+        self.regions = layer_regions(kv_caches, heads)
+        first = next(iter(kv_caches.values()), None)
+        self.geometry = geometry_of(
+            self.regions, model=model.model, dtype=str(model.dtype),
+            kv_dtype=str(first.dtype) if first is not None else "", block_size=block_size,
+            head_size=model.get_head_size(), kv_heads=model.get_total_num_kv_heads(),
+            layers=model.get_total_num_hidden_layers())
+        self.kv_layout = self.geometry.fingerprint()
         if self.is_producer and (arena := self._arena_blocks()):
             self.regions = with_arena(self.regions, arena)
         self.port = self.transport.register(self.regions, kv_layout=self.kv_layout,
-                                            block_size=block_size, is_producer=self.is_producer)
-        logger.info("kvdisagg: %s transport on TP rank %d (layout %s, side channel %s:%d)",
-                    self.transport.name, self.tp_rank, self.kv_layout,
+                                            block_size=block_size, is_producer=self.is_producer,
+                                            geometry=self.geometry, rank=self.rank,
+                                            shape=self.shape)
+        logger.info("kvdisagg: %s transport on rank %d of %s, layers %s (layout %s, side "
+                    "channel %s:%d)", self.transport.name, self.rank, self.shape.describe(),
+                    _span([r.layer for r in self.regions]), self.kv_layout,
                     self.config.side_channel_host, self.port)
 
     def _arena_blocks(self) -> int:
@@ -90,7 +101,8 @@ class DisaggWorker:
 
     def handshake(self) -> WorkerHandshake:
         return WorkerHandshake(port=self.port, kv_layout=self.kv_layout,
-                               transport=self.transport.name,
+                               transport=self.transport.name, geometry=self.geometry,
+                               stages=self.shape.stages,
                                keyed_by_tokens=getattr(self.transport, "keyed_by_tokens", False),
                                num_blocks=self.regions[0].num_blocks if self.regions else 0,
                                stage_blocks=self.regions[0].stage_blocks if self.regions else 0)
@@ -102,6 +114,8 @@ class DisaggWorker:
         if meta is self._offered:
             return
         self._offered = meta
+        if (step := getattr(self.transport, "step", None)) is not None:
+            step(True)  # a step began: Reads waiting for their handoff see progress
         for send in meta.sends:
             if send.stage_from:
                 start_ns = now_ns()
@@ -138,35 +152,51 @@ class DisaggWorker:
         if load.transport != self.transport.name:
             raise KvDisaggError(f"prefill uses transport {load.transport!r}, this decode "
                                 f"instance {self.transport.name!r}")
-        timing = PullTiming(now_ns())
+        start_ns = now_ns()
         span = self.tracer.start("kvdisagg.pull", load.trace, submitted_ns,
                                  {"kvdisagg.handoff": load.handoff_id,
                                   "kvdisagg.blocks": len(load.local_block_ids)})
+        # This rank's Parts: one fetch per prefill rank it reads (or only releases).
+        parts = load.parts[self.rank] if load.parts else (None,)
+        timings: list[PullTiming] = []
+        nbytes = 0
         try:
-            nbytes = self.transport.fetch(Fetch(
-                handoff_id=load.handoff_id, token=load.token, host=load.host,
-                port=load.ports[self.tp_rank] if load.ports else 0, kv_layout=load.kv_layout,
-                remote_block_ids=load.remote_block_ids, local_block_ids=load.local_block_ids,
-                prompt_token_ids=load.prompt_token_ids, first_block=load.first_block),
-                self.config.transfer_timeout_seconds, timing)
+            for part in parts:
+                src = self.rank if part is None else part.src
+                timings.append(PullTiming(now_ns()))
+                nbytes += self.transport.fetch(Fetch(
+                    handoff_id=load.handoff_id, token=load.token, host=load.host,
+                    port=load.ports[src] if src < len(load.ports) else 0,
+                    kv_layout=load.kv_layout, remote_block_ids=load.remote_block_ids,
+                    local_block_ids=load.local_block_ids,
+                    prompt_token_ids=load.prompt_token_ids, first_block=load.first_block,
+                    part=part, prefill=load.prefill),
+                    self.config.transfer_timeout_seconds, timings[-1])
         except Exception as exc:
             with self._lock:
                 self.stats.add(pull_failures=1,
                                checksum_failures=int(isinstance(exc, ChecksumMismatch)))
             end(span, error=str(exc)[:200])
             raise
-        elapsed = (now_ns() - timing.start_ns) / 1e9
-        phases = [("queue", submitted_ns, timing.start_ns), *timing.phases()]
+        elapsed = (now_ns() - start_ns) / 1e9
+        phases = [("queue", submitted_ns, start_ns)]
+        for timing in timings:
+            phases += timing.phases()
+        observed: dict[str, float] = {}
+        for p, s, e in phases:
+            observed[p] = observed.get(p, 0.0) + (e - s) / 1e9
         with self._lock:
             self.stats.add(pulls=1, pulled_bytes=nbytes, pull_seconds=elapsed,
                            pulled_blocks=len(load.local_block_ids))
-            self.stats.observe(**{p: (e - s) / 1e9 for p, s, e in phases})
+            self.stats.observe(**observed)
         parent = traceparent_of(span)
         for phase, s, e in phases:
             self.tracer.record(phase, parent, s, e)
-        end(span, None, **{"kvdisagg.bytes": nbytes, "kvdisagg.connection_reused": timing.reused})
-        logger.info("kvdisagg: pulled %d blocks (%d bytes) for %s in %.1f ms",
-                    len(load.local_block_ids), nbytes, load.req_id, elapsed * 1e3)
+        end(span, None, **{"kvdisagg.bytes": nbytes, "kvdisagg.sources": len(parts),
+                           "kvdisagg.connection_reused": all(t.reused for t in timings)})
+        logger.info("kvdisagg: pulled %d blocks (%d bytes) for %s from %d prefill rank(s) in "
+                    "%.1f ms", len(load.local_block_ids), nbytes, load.req_id, len(parts),
+                    elapsed * 1e3)
         return nbytes
 
     def take_stats(self) -> DisaggStats | None:
@@ -184,7 +214,9 @@ class DisaggWorker:
         return meta
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
-        """(finished_sending, finished_recving, failed_recving). Never blocks."""
+        """(finished_sending, finished_recving, failed_recving). Never blocks. Ends the step."""
+        if self._offered is not None and (step := getattr(self.transport, "step", None)):
+            step(False)
         released = self.transport.take_released()
         table = getattr(self.transport, "table", None)  # pull transports' handoff table
         expired = table.expired_unread - self._expired_seen if table is not None else 0
@@ -216,3 +248,19 @@ class DisaggWorker:
         self.transport.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.tracer.shutdown()
+
+
+def instance_shape(vllm_config: VllmConfig) -> Shape:
+    """This instance's TP size and PP stages, as vLLM splits the layers (``get_pp_indices``,
+    which honours ``VLLM_PP_LAYER_PARTITION``): the same in every process of the instance."""
+    from vllm.distributed.utils import get_pp_indices
+
+    parallel = vllm_config.parallel_config
+    layers = vllm_config.model_config.get_total_num_hidden_layers()
+    pp = parallel.pipeline_parallel_size
+    return Shape(parallel.tensor_parallel_size,
+                 tuple(get_pp_indices(layers, rank, pp)[0] for rank in range(pp)))
+
+
+def _span(ids: list[int]) -> str:
+    return f"{min(ids)}..{max(ids)}" if ids else "none"

@@ -1,8 +1,16 @@
-"""The ``vllm serve`` and ``kvdisagg proxy`` command lines that realize a placement.
+"""The shell lines that start a placement: one per instance, then ``kvdisagg proxy``.
 
-GPUs are assigned node by node (``gpus_per_node``), prefill instances first; each instance gets
-``CUDA_VISIBLE_DEVICES`` on its node, a port, and the DisaggConnector role of its side (see
-docs/gpu-quickstart.md). Hosts are placeholders (``<node0>``...) for the user to fill in.
+Pasted into a shell on their node, they start it: each instance line ends with ``&`` and the
+proxy line runs in the foreground. Accelerators (GPUs, or cores with ``device="cpu"``) are
+assigned node by node (``gpus_per_node``), prefill instances first. Each instance gets its
+devices (``CUDA_VISIBLE_DEVICES``; on CPU ``VLLM_CPU_OMP_THREADS_BIND``, one core per rank), a
+port, its parallel flags and the DisaggConnector role of its side; a prefill instance's side
+channel listens on its node's address. Node addresses come from ``hosts``; without them a
+one-node plan runs on 127.0.0.1 and a larger one keeps ``<nodeK>`` placeholders to fill in.
+
+Only placements DisaggConnector serves are turned into lines (``unserved``): every instance on
+one node, since a handoff names one host for all of prefill's ranks.
+
 Must not import ``vllm``.
 """
 
@@ -10,9 +18,14 @@ from __future__ import annotations
 
 import json
 import shlex
-from typing import NamedTuple
+from typing import Literal, NamedTuple, Sequence
 
+from kvdisagg.errors import ConfigError
 from kvdisagg.planner.placement import Colocated, Disaggregated, Placement
+
+Device = Literal["gpu", "cpu"]
+CPU_SERVER = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model"]
+"""vllm-cpu's ``vllm`` console script does not start (docs/configuration.md): its module does."""
 
 
 class Launch(NamedTuple):
@@ -21,59 +34,115 @@ class Launch(NamedTuple):
     gpus: tuple[int, ...]
     port: int
     command: str
+    """The instance's command line (the printed line adds `` &``)."""
 
 
-def _kv_config(role: str) -> str:
-    cfg: dict[str, object] = {"kv_connector": "DisaggConnector", "kv_role": role}
-    if role == "kv_producer":
-        cfg["kv_connector_extra_config"] = {"transport": "tcp", "side_channel_host": "PREFILL_HOST_ADDR"}
-    return json.dumps(cfg, separators=(",", ":"))
+def unserved(placement: Placement, gpus_per_node: int) -> str:
+    """'' if DisaggConnector serves ``placement`` on nodes of ``gpus_per_node`` devices, else
+    why not. Any TP and PP on either side is served (sharding.py); an instance spanning nodes
+    is not: kv_transfer_params name one side-channel host for all of a prefill's ranks."""
+    if isinstance(placement, Colocated):
+        sides = [("colocated", placement.tp * placement.pp)]
+    else:
+        if placement.pp_cross > 1:
+            return (f"instances span {placement.pp_cross} nodes (pp_cross): a handoff names one "
+                    "host for all of prefill's ranks")
+        sides = [("prefill", placement.prefill_tp * placement.prefill_pp),
+                 ("decode", placement.decode_tp * placement.decode_pp)]
+    for side, need in sides:
+        if need > gpus_per_node:
+            return f"a {side} instance needs {need} devices, more than a node's {gpus_per_node}"
+    return ""
 
 
-def launch_commands(placement: Placement, model: str, *, gpus_per_node: int = 8, base_port: int = 8100,
-                    proxy_port: int = 8000, ttft_slo_s: float | None = None,
-                    tpot_slo_s: float | None = None) -> list[Launch | str]:
+def launch_commands(placement: Placement, model: str, *, gpus_per_node: int = 8,
+                    base_port: int = 8100, proxy_port: int = 8000,
+                    ttft_slo_s: float | None = None, tpot_slo_s: float | None = None,
+                    device: Device = "gpu", hosts: Sequence[str] = (),
+                    serve_args: Sequence[str] = ()) -> list[Launch | str]:
     """Instance launches in order, then (disaggregated) the proxy command as a plain string.
-
-    A ``pp_cross`` > 1 instance spans nodes: it is launched with ``--pipeline-parallel-size``
-    covering all its stages and vLLM's multi-node (Ray) setup, noted in the command.
-    """
+    ``serve_args`` go on every instance line (e.g. ``--dtype float32``)."""
+    if why := unserved(placement, gpus_per_node):
+        raise ConfigError(f"DisaggConnector does not serve {placement.describe()}: {why}")
     if isinstance(placement, Colocated):
         sides = [("colocated", placement.tp, placement.pp, placement.num_instances, None)]
     else:
-        pc = placement.pp_cross
-        sides = [("prefill", placement.prefill_tp, placement.prefill_pp * pc, placement.num_prefill, "kv_producer"),
-                 ("decode", placement.decode_tp, placement.decode_pp * pc, placement.num_decode, "kv_consumer")]
+        sides = [("prefill", placement.prefill_tp, placement.prefill_pp, placement.num_prefill,
+                  "kv_producer"),
+                 ("decode", placement.decode_tp, placement.decode_pp, placement.num_decode,
+                  "kv_consumer")]
+    nodes = _nodes_needed(sides, gpus_per_node)
+    if hosts and len(hosts) < nodes:
+        raise ConfigError(f"the plan uses {nodes} nodes; --hosts names {len(hosts)}")
+
+    def host(node: int) -> str:
+        if hosts:
+            return hosts[node]
+        return "127.0.0.1" if nodes == 1 else f"<node{node}>"
+
     out: list[Launch | str] = []
     node, next_gpu, port = 0, 0, base_port
     urls: dict[str, list[str]] = {"prefill": [], "decode": []}
     for side, tp, pp, count, role in sides:
         need = tp * pp
         for _ in range(count):
-            if need <= gpus_per_node and next_gpu + need > gpus_per_node:
+            if next_gpu + need > gpus_per_node:
                 node, next_gpu = node + 1, 0
-            gpus = tuple(range(next_gpu, next_gpu + min(need, gpus_per_node)))
-            argv = ["vllm", "serve", model, "--host", "0.0.0.0", "--port", str(port)]
+            gpus = tuple(range(next_gpu, next_gpu + need))
+            argv = [*(CPU_SERVER if device == "cpu" else ["vllm", "serve"]), model,
+                    "--host", host(node), "--port", str(port)]
             if tp > 1:
                 argv += ["--tensor-parallel-size", str(tp)]
             if pp > 1:
                 argv += ["--pipeline-parallel-size", str(pp)]
+            if device == "cpu" and need > 1:
+                argv += ["--distributed-executor-backend", "mp"]
+            argv += list(serve_args)
             if role is not None:
-                argv += ["--kv-transfer-config", _kv_config(role)]
-            env = f"CUDA_VISIBLE_DEVICES={','.join(map(str, gpus))} "
-            note = "" if need <= gpus_per_node else f"  # spans {-(-need // gpus_per_node)} nodes: start a Ray cluster first"
-            out.append(Launch(side, node, gpus, port, env + shlex.join(argv) + note))
+                argv += ["--kv-transfer-config", _kv_config(role, host(node))]
+            env = (f"VLLM_CPU_OMP_THREADS_BIND={shlex.quote('|'.join(map(str, gpus)))}"
+                   if device == "cpu" else f"CUDA_VISIBLE_DEVICES={','.join(map(str, gpus))}")
+            out.append(Launch(side, node, gpus, port, f"{env} {shlex.join(argv)}"))
             if side in urls:
-                urls[side].append(f"http://<node{node}>:{port}")
-            if need <= gpus_per_node:
-                next_gpu += need
-            else:
-                node, next_gpu = node + -(-need // gpus_per_node), 0
+                urls[side].append(f"http://{host(node)}:{port}")
+            next_gpu += need
             port += 1
     if isinstance(placement, Disaggregated):
         argv = ["kvdisagg", "proxy", "--prefill", *urls["prefill"], "--decode", *urls["decode"],
-                "--policy", "least_loaded", "--host", "0.0.0.0", "--port", str(proxy_port)]
+                "--policy", "least_loaded", "--host", host(0), "--port", str(proxy_port)]
         if ttft_slo_s is not None and tpot_slo_s is not None:
             argv += ["--slo-ttft", f"{ttft_slo_s:g}", "--slo-tpot", f"{tpot_slo_s:g}"]
-        out.append(" ".join(argv))
+        out.append(shlex.join(argv))
     return out
+
+
+def printed(commands: Sequence[Launch | str]) -> list[str]:
+    """The lines as ``kvdisagg plan`` prints them: a comment per node, instances in the
+    background, the proxy last in the foreground."""
+    lines, node = [], -1
+    for c in commands:
+        if isinstance(c, Launch):
+            if c.node != node:
+                node = c.node
+                lines.append(f"# node {node}")
+            lines.append(c.command + " &")
+        else:
+            lines.append(c)
+    return lines
+
+
+def _kv_config(role: str, host: str) -> str:
+    cfg: dict[str, object] = {"kv_connector": "DisaggConnector", "kv_role": role}
+    if role == "kv_producer":  # decode connects to the host prefill advertises
+        cfg["kv_connector_extra_config"] = {"transport": "tcp", "side_channel_host": host}
+    return json.dumps(cfg, separators=(",", ":"))
+
+
+def _nodes_needed(sides: list[tuple[str, int, int, int, str | None]], per_node: int) -> int:
+    node, used = 0, 0
+    for _, tp, pp, count, _ in sides:
+        for _ in range(count):
+            if used + tp * pp > per_node:
+                node, used = node + 1, 0
+            used += tp * pp
+    return node + 1

@@ -24,7 +24,7 @@ import numpy as np
 
 from kvdisagg.errors import ConfigError
 from kvdisagg.planner.latency import LatencyModel
-from kvdisagg.planner.placement import Colocated, Disaggregated, Placement
+from kvdisagg.planner.placement import Colocated, Placement
 from kvdisagg.planner.profile import Profile
 from kvdisagg.planner.simulator import InstanceSpec, Timeline, simulate_colocated, simulate_disaggregated
 from kvdisagg.planner.workload import Requests, TraceSeed

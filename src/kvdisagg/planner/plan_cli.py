@@ -21,6 +21,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--colocated-profile", metavar="FILE",
                    help="profile for the colocated baseline (default: --profile)")
     p.add_argument("--base-port", type=int, default=8100, help="first instance port in the commands")
+    p.add_argument("--proxy-port", type=int, default=8000, help="the proxy's port in the commands")
+    p.add_argument("--device", choices=["gpu", "cpu"], default="gpu",
+                   help="what a 'GPU' of the plan is in the launch lines: a GPU "
+                        "(CUDA_VISIBLE_DEVICES, vllm serve) or a CPU core (VLLM_CPU_OMP_THREADS_BIND, "
+                        "one core per rank)")
+    p.add_argument("--hosts", metavar="ADDR[,ADDR...]",
+                   help="each node's address, in order (default: 127.0.0.1 for a one-node plan, "
+                        "<nodeK> placeholders otherwise)")
+    p.add_argument("--serve-args", default="", metavar="ARGS",
+                   help="more vLLM arguments for every instance line, e.g. '--dtype float32'")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -28,7 +38,9 @@ def run(args: argparse.Namespace) -> int:
 
     from kvdisagg.errors import ConfigError
     from kvdisagg.planner.cli_common import load_common, resolve_profile
-    from kvdisagg.planner.commands import Launch, launch_commands
+    import shlex
+
+    from kvdisagg.planner.commands import Launch, launch_commands, printed
     from kvdisagg.planner.search import plan
 
     try:
@@ -46,8 +58,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvdisagg plan: {exc}", file=sys.stderr)
         return 2
     gpn = args.gpus_per_node or args.gpus
-    cmds = launch_commands(result.deployment, profile.model, gpus_per_node=gpn, base_port=args.base_port,
-                           ttft_slo_s=args.ttft_slo, tpot_slo_s=args.tpot_slo)
+    try:
+        cmds = launch_commands(result.deployment, profile.model, gpus_per_node=gpn,
+                               base_port=args.base_port, proxy_port=args.proxy_port,
+                               ttft_slo_s=args.ttft_slo, tpot_slo_s=args.tpot_slo,
+                               device=args.device,
+                               hosts=[h for h in (args.hosts or "").split(",") if h],
+                               serve_args=shlex.split(args.serve_args))
+    except ConfigError as exc:
+        print(f"kvdisagg plan: {exc}", file=sys.stderr)
+        return 2
     lines = [c.command if isinstance(c, Launch) else c for c in cmds]
     if args.json:
         out = msgspec.to_builtins(result)
@@ -76,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     print("\ncandidates (per GPU):")
     for cand in result.candidates[:8]:
         print(f"  {cand.per_gpu:8.3f}  {cand.placement.describe()}")
-    print("\nlaunch:")
-    for line in lines:
+    print("\nlaunch (paste on each node; instances start in the background, the proxy last):")
+    for line in printed(cmds):
         print("  " + line)
     return 0

@@ -10,9 +10,11 @@ with the highest per-GPU goodput is replicated to use the GPUs or to meet ``rate
 
 Low node-affinity (slow links between nodes, KV must stay in a node): a unit is a set of node
 segments. Each segment holds prefill and decode pipeline stages side by side:
-``n_p*tp_p*pp_p + n_d*tp_d*pp_d <= gpus_per_node``. ``pp_cross`` nodes chain their segments
-into instances of ``pp*pp_cross`` stages. Candidates are again ranked by the phase-alone
-estimate and the best few are verified jointly with the intra-node link.
+``n_p*tp_p*pp_p + n_d*tp_d*pp_d <= gpus_per_node``. DistServe also chains ``pp_cross`` nodes'
+segments into instances of ``pp*pp_cross`` stages; DisaggConnector does not serve an instance
+spanning nodes (commands.unserved), so the search keeps ``pp_cross = 1``, and in high affinity
+only instances that fit in a node. Candidates are again ranked by the phase-alone estimate and
+the best few are verified jointly with the intra-node link.
 
 The best colocated plan (the vLLM baseline: one TP, replicated) is found the same way, for
 comparison. Must not import ``vllm``.
@@ -128,11 +130,13 @@ def _ratios(r_p: float, r_d: float, g_p: int, g_d: int, max_gpus: int, max_n: in
     return out[:3]
 
 
-def high_affinity_units(s: Searcher, gpus: int) -> list[Candidate]:
-    """Algorithm 1: best prefill and decode configs alone, paired with a ratio, verified jointly."""
-    cfgs = _configs(s.env, gpus)
+def high_affinity_units(s: Searcher, gpus: int, gpus_per_node: int | None = None) -> list[Candidate]:
+    """Algorithm 1: best prefill and decode configs alone, paired with a ratio, verified jointly.
+    Instances stay within a node (what DisaggConnector serves)."""
+    per_instance = min(gpus, gpus_per_node or gpus)
+    cfgs = _configs(s.env, per_instance)
     if not cfgs:
-        raise ConfigError(f"no profiled (tp, pp) fits in {gpus} GPUs")
+        raise ConfigError(f"no profiled (tp, pp) fits in {per_instance} GPUs")
     estimates = []
     for tp_p, pp_p in cfgs:
         for tp_d, pp_d in cfgs:
@@ -151,7 +155,7 @@ def low_affinity_units(s: Searcher, gpus: int, gpus_per_node: int) -> list[Candi
         raise ConfigError(f"low affinity needs whole nodes: {gpus} GPUs < {gpus_per_node} per node")
     have = set(s.env.profile.parallel_configs())
     estimates = []
-    for pp_cross in range(1, nodes + 1):
+    for pp_cross in range(1, 2):  # instances across nodes are not served (commands.unserved)
         segs = sorted({(tp, pp // pp_cross) for tp, pp in have
                        if pp % pp_cross == 0 and tp * (pp // pp_cross) <= gpus_per_node})
         rated_p = {c: s.phase_rate("prefill", c[0], c[1] * pp_cross) for c in segs}
@@ -200,7 +204,7 @@ def plan(seed: TraceSeed, env: SimEnv, slo: Slo, *, gpus: int, gpus_per_node: in
     t0 = time.perf_counter()
     s = Searcher(seed, env, slo, rel_tol=rel_tol)
     if affinity == "high":
-        units = high_affinity_units(s, gpus)
+        units = high_affinity_units(s, gpus, gpus_per_node)
     else:
         units = low_affinity_units(s, gpus, gpus_per_node or gpus)
     if not units:

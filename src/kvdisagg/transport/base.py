@@ -24,7 +24,8 @@ from kvdisagg.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvdisagg.config import ConnectorConfig
-    from kvdisagg.layout import LayerRegion
+    from kvdisagg.layout import KvGeometry, LayerRegion
+    from kvdisagg.sharding import Part, Shape
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,11 @@ class Offer:
 @dataclass(frozen=True)
 class Fetch:
     """Decode: fill ``local_block_ids`` with prefill's ``remote_block_ids`` (same length; may be
-    empty: then only release). ``first_block`` is the index of the first one in the prompt."""
+    empty: then only release). ``first_block`` is the index of the first one in the prompt.
+
+    ``part``: the layers and heads to read from the prefill worker at ``port`` (sharding.py;
+    no layers: only release it); None: all of this worker's layers and heads (both instances
+    sharded alike). ``prefill``: the prefill instance's shape (store keys; None: this one's)."""
 
     handoff_id: str
     token: str
@@ -53,6 +58,8 @@ class Fetch:
     local_block_ids: tuple[int, ...]
     prompt_token_ids: tuple[int, ...] = ()
     first_block: int = 0
+    part: Part | None = None
+    prefill: Shape | None = None
 
 
 @dataclass
@@ -80,8 +87,11 @@ class Transport(Protocol):
     name: ClassVar[str]
 
     def register(self, regions: Sequence[LayerRegion], *, kv_layout: str, block_size: int,
-                 is_producer: bool) -> int:
-        """Take the worker's KV memory; return the side-channel port to advertise (0: none)."""
+                 is_producer: bool, geometry: KvGeometry | None = None,
+                 rank: int | None = None, shape: Shape | None = None) -> int:
+        """Take the worker's KV memory; return the side-channel port to advertise (0: none).
+        ``kv_layout`` is ``geometry``'s fingerprint; ``rank`` is this worker's rank in its
+        instance of parallelism ``shape`` (PP-major)."""
         ...
 
     def offer(self, offer: Offer) -> None:

@@ -9,6 +9,15 @@ that comes after the lease ran out but before the blocks were freed is served), 
 being read is pinned so its lease cannot expire under the reader. The decode that holds a
 handoff renews its lease while the request waits in its queue (Renew), so a lease runs out only
 when that decode went away.
+
+A handoff read by several decode workers (another TP or PP on decode, sharding.py) is freed
+after the last of them said Done: each Done names how many readers there are.
+
+A Read may come before its handoff (the offer reaches the worker with the next engine step):
+it waits for it as long as the engine makes progress (a step running, or one ended less than
+IDLE_GRACE_S ago: an engine with an offer to make steps at once, so one idle that long has
+none), and at most until two more steps started without it; the worker reports its steps
+(``step``).
 """
 
 from __future__ import annotations
@@ -19,10 +28,12 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 logger = logging.getLogger(__name__)
 
+KEEPALIVE_S = 1.0  # a Read waiting for its handoff tells decode it is alive this often
+IDLE_GRACE_S = 5.0  # an idle engine offers a handoff within this, or it is not coming
 TOMBSTONES = 4096  # ids freed recently: a late Read for one is refused at once, not after a wait
 
 
@@ -34,6 +45,7 @@ class _Handoff:
     deadline: float
     readers: int = 0
     done: bool = False
+    dones: int = 0  # Done messages from decode workers so far
 
 
 @dataclass
@@ -44,6 +56,19 @@ class HandoffTable:
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _gone: OrderedDict[str, str] = field(default_factory=OrderedDict)  # id -> why
     expired_unread: int = 0  # handoffs freed because their lease ran out (ever)
+    _steps: int = 0  # engine steps started
+    _in_step: bool = False
+    _last_step: float = field(default_factory=time.monotonic)  # when a step last ended
+
+    def step(self, running: bool) -> None:
+        """The engine started (``running``) or ended a step: Reads waiting for their
+        handoff measure the engine's progress by these."""
+        with self._cond:
+            if running and not self._in_step:
+                self._steps += 1
+            self._in_step = running
+            self._last_step = time.monotonic()
+            self._cond.notify_all()
 
     def add(self, req_id: str, token: str, block_ids: Sequence[int], lease_s: float) -> None:
         with self._cond:
@@ -51,11 +76,32 @@ class HandoffTable:
                                            time.monotonic() + lease_s)
             self._cond.notify_all()
 
-    def pin(self, req_id: str, token: str, block_ids: Sequence[int], wait_s: float) -> str:
-        """Check a Read and pin the handoff; return '' if granted, else why not."""
+    def pin(self, req_id: str, token: str, block_ids: Sequence[int], wait_s: float,
+            keepalive: Callable[[], None] | None = None) -> str:
+        """Check a Read and pin the handoff; return '' if granted, else why not. While it
+        waits for the handoff, ``keepalive`` runs every KEEPALIVE_S (or a quarter of ``wait_s``,
+        decode's bound on silence too), outside the lock."""
+        arrived, start = self._steps, time.monotonic()
+        interval = min(KEEPALIVE_S, wait_s / 4) if wait_s > 0 else KEEPALIVE_S
+        idle_s = min(wait_s, IDLE_GRACE_S)
+
+        def settled() -> bool:
+            if req_id in self._items or req_id in self._gone:
+                return True
+            if self._steps >= arrived + 2:
+                return True  # two steps began since the Read: the offer is not coming
+            idle_since = max(self._last_step, start)
+            return not self._in_step and time.monotonic() - idle_since > idle_s
+
+        while True:
+            with self._cond:
+                if self._cond.wait_for(settled, timeout=interval):
+                    return self._pin(req_id, token, block_ids)
+            if keepalive is not None:
+                keepalive()
+
+    def _pin(self, req_id: str, token: str, block_ids: Sequence[int]) -> str:
         with self._cond:
-            self._cond.wait_for(lambda: req_id in self._items or req_id in self._gone,
-                                timeout=wait_s)
             h = self._items.get(req_id)
             if h is None:
                 return f"handoff {req_id!r} {self._gone.get(req_id, 'unknown')}"
@@ -79,24 +125,30 @@ class HandoffTable:
                 h.readers -= 1
 
     def renew(self, refs: Sequence[tuple[str, str]]) -> int:
-        """Restart the leases of ``(handoff id, token)`` pairs that are live and whose token
-        matches; return how many were."""
+        """Restart the leases of ``(handoff id, token)`` pairs that are held and whose token
+        matches; return how many were. A renewal that comes after the lease ran out but before
+        the blocks were freed counts, as a late Read does: on a starved host the decode that
+        holds the handoff may simply not have got through yet, and the blocks are intact."""
         now, renewed = time.monotonic(), 0
         with self._cond:
             for req_id, token in refs:
                 h = self._items.get(req_id)
-                if (h is not None and not h.done and now <= h.deadline
+                if (h is not None and not h.done
                         and hmac.compare_digest(h.token, token)):
                     h.deadline = now + h.lease_s
                     renewed += 1
         return renewed
 
-    def release(self, req_id: str, token: str) -> bool:
+    def release(self, req_id: str, token: str, readers: int = 1, force: bool = False) -> bool:
+        """One of ``readers`` decode workers is done with the handoff (``force``: decode gave
+        it up): freed once all of them are. False for an unknown id or a wrong token."""
         with self._cond:
             h = self._items.get(req_id)
             if h is None or not hmac.compare_digest(h.token, token):
                 return False
-            h.done = True
+            h.dones += 1
+            if force or h.dones >= readers:
+                h.done = True
             return True
 
     def take_finished(self) -> set[str]:

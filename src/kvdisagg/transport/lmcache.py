@@ -13,6 +13,10 @@ CacheEngineKey), spoken over our own socket with a deadline on every call: LMCac
 connector that already owns vLLM's KV memory does not want. Keys and bytes are what LMCache's
 server stores; nothing here is a copy of its protocol.
 
+Chunks are per prefill rank (its layers, its heads), keyed by the prefill instance's shape
+(TP, PP stages) and the rank: a decode rank of another shape fetches the chunks of the prefill
+ranks its Parts name (sharding.py) and keeps the layers and heads it holds.
+
 A stored chunk is its pages followed by a trailer (integrity.py): the ``xxh3_64`` digest of
 the pages as prefill stored them (or a marker saying it has none, with ``kv_checksum`` off), and
 decode checks it after the GET, before the load is reported done; the key names this format
@@ -32,7 +36,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, NamedTuple, Sequence
 
 import torch
 from lmcache.utils import CacheEngineKey
@@ -44,8 +48,10 @@ from kvdisagg.config import LMCACHE_URL, ConnectorConfig
 from kvdisagg.errors import (ChecksumMismatch, ConfigError, PeerUnreachable, TransferFailed,
                              TransferTimeout, TransportError)
 from kvdisagg.integrity import TRAILER_BYTES, digest_views, pack_trailer, unpack_trailer
-from kvdisagg.layout import LayerRegion, check_blocks, copy_runs, run_tensor
+from kvdisagg.layout import (KvGeometry, LayerRegion, check_blocks, copy_runs, span_tensor,
+                             spans, whole_slices)
 from kvdisagg.protocol import recv_into_exact, recv_into_views, send_views
+from kvdisagg.sharding import Shape
 from kvdisagg.transport.base import Fetch, Offer, PullTiming
 from kvdisagg.transport.pull import Deadline
 from kvdisagg.transport.tcp import host_bytes
@@ -67,10 +73,11 @@ class Chunk:
 
 
 def chunk_plan(prompt: Sequence[int], *, kv_layout: str, block_size: int, chunk_tokens: int,
-               rank: int) -> list[Chunk]:
-    """The chunks of ``prompt``: full ones, then a partial last one. Key i hashes the layout and
-    tokens [0, end of chunk i), so equal prefixes give equal keys on every host. The layout
-    fingerprint already covers the TP size, so LMCache's ``world_size`` field is left at 1."""
+               rank: int, shape: Shape = Shape(1)) -> list[Chunk]:
+    """The chunks of ``prompt`` stored by rank ``rank`` of an instance of shape ``shape``: full
+    ones, then a partial last one. Key i hashes the layout and tokens [0, end of chunk i), so
+    equal prefixes give equal keys on every host; the shape is in the key's model name, so
+    LMCache's ``world_size`` field is left at 1."""
     blocks_per_chunk = chunk_tokens // block_size
     digest = hashlib.blake2b(kv_layout.encode(), digest_size=16)
     chunks = []
@@ -79,7 +86,8 @@ def chunk_plan(prompt: Sequence[int], *, kv_layout: str, block_size: int, chunk_
         digest.update(struct.pack(f"<{len(tokens)}q", *tokens))
         step = digest.copy()
         step.update(struct.pack("<q", len(tokens)))  # a partial chunk never equals a full one
-        key = CacheEngineKey(model_name=f"kvdisagg{CHUNK_FORMAT}-{kv_layout}", world_size=1,
+        key = CacheEngineKey(model_name=f"kvdisagg{CHUNK_FORMAT}-{kv_layout}-{shape.key()}",
+                             world_size=1,
                              worker_id=rank, chunk_hash=int.from_bytes(step.digest(), "big"),
                              dtype=torch.uint8)
         chunks.append(Chunk(index, key, index * blocks_per_chunk,
@@ -180,15 +188,17 @@ class PrefixLookup:
     """Scheduler side of a prefill instance: how many leading tokens of a prompt are already
     stored (whole chunks, on every TP rank), so vLLM loads them instead of computing them."""
 
-    def __init__(self, config: ConnectorConfig, block_size: int, tp_size: int) -> None:
-        self.config, self.block_size, self.tp_size = config, block_size, tp_size
+    def __init__(self, config: ConnectorConfig, block_size: int) -> None:
+        self.config, self.block_size = config, block_size
         self._client = LMCacheClient(config.lmcache_url)
         self._lock = threading.Lock()
 
-    def __call__(self, prompt: Sequence[int], kv_layout: str) -> int:
+    def __call__(self, prompt: Sequence[int], kv_layout: str, shape: Shape) -> int:
+        """Leading tokens of ``prompt`` stored by every rank of this instance (of ``shape``)."""
         chunk_tokens = self.config.lmcache_chunk_tokens
         plans = [chunk_plan(prompt, kv_layout=kv_layout, block_size=self.block_size,
-                            chunk_tokens=chunk_tokens, rank=rank) for rank in range(self.tp_size)]
+                            chunk_tokens=chunk_tokens, rank=rank, shape=shape)
+                 for rank in range(shape.world)]
         deadline = Deadline(min(self.config.transfer_timeout_seconds, 2.0), "LMCache lookup")
         tokens = 0
         try:
@@ -207,16 +217,16 @@ class PrefixLookup:
         self._client.close()
 
 
-class _Geometry:
-    """Where block k of a chunk sits inside the chunk's bytes (layer-major)."""
+class _ChunkLayer(NamedTuple):
+    """One layer of a stored chunk (a page of the rank that stored it per block) and where
+    its bytes go here: ``region`` (-1: nowhere), ``nbytes`` from ``src_offset`` of each page
+    into ``dst_offset`` of the region's block."""
 
-    def __init__(self, regions: Sequence[LayerRegion], blocks: int) -> None:
-        self.page_bytes = [r.page_bytes for r in regions]
-        self.layer_offsets, offset = [], 0
-        for page in self.page_bytes:
-            self.layer_offsets.append(offset)
-            offset += page * blocks
-        self.nbytes = offset
+    page: int
+    region: int
+    src_offset: int
+    nbytes: int
+    dst_offset: int
 
 
 class LMCacheTransport:
@@ -225,6 +235,8 @@ class LMCacheTransport:
 
     def __init__(self, config: ConnectorConfig, tp_rank: int = 0) -> None:
         self.config, self.tp_rank = config, tp_rank
+        self.rank, self.shape = tp_rank, Shape(1)
+        self.geometry: KvGeometry | None = None
         self.regions: list[LayerRegion] = []
         self.kv_layout, self.block_size = "", 0
         self._local = threading.local()
@@ -237,11 +249,19 @@ class LMCacheTransport:
 
     # ---- Transport ------------------------------------------------------------------------
     def register(self, regions: Sequence[LayerRegion], *, kv_layout: str, block_size: int,
-                 is_producer: bool) -> int:
+                 is_producer: bool, geometry: KvGeometry | None = None,
+                 rank: int | None = None, shape: Shape | None = None) -> int:
+        """``rank``/``shape``: this worker's rank and its instance's parallelism (the keys of
+        what it stores)."""
         if self.config.lmcache_chunk_tokens % block_size:
             raise ConfigError(f"lmcache_chunk_tokens={self.config.lmcache_chunk_tokens} must be "
                               f"a multiple of vLLM's block size {block_size}")
         self.regions, self.kv_layout, self.block_size = list(regions), kv_layout, block_size
+        self.geometry = geometry
+        if rank is not None:
+            self.rank = rank
+        if shape is not None:
+            self.shape = shape
         self._host = [host_bytes(r.pages) if r.pages.device.type == "cpu" else None
                       for r in self.regions]
         if is_producer or self.config.lmcache_store_decoded:
@@ -250,10 +270,13 @@ class LMCacheTransport:
             self._store_thread.start()
         return 0  # no side channel: the server is the rendezvous
 
-    def chunks(self, prompt: Sequence[int]) -> list[Chunk]:
+    def chunks(self, prompt: Sequence[int], rank: int | None = None,
+               shape: Shape | None = None) -> list[Chunk]:
+        """The chunks rank ``rank`` of an instance of ``shape`` stores (default: this one)."""
         return chunk_plan(prompt, kv_layout=self.kv_layout, block_size=self.block_size,
                           chunk_tokens=self.config.lmcache_chunk_tokens,
-                          rank=self.tp_rank)
+                          rank=self.rank if rank is None else rank,
+                          shape=self.shape if shape is None else shape)
 
     def offer(self, offer: Offer) -> None:
         self._stores.put(offer)
@@ -276,20 +299,26 @@ class LMCacheTransport:
         if fetch.first_block < 0 or wanted.stop > prompt_blocks:
             raise TransferFailed(f"blocks {wanted.start}..{wanted.stop - 1} asked of a "
                                  f"{len(fetch.prompt_token_ids)}-token prompt")
+        part = fetch.part
+        if part is not None and not part.layers:
+            return 0  # a release-only Part: the store keeps nothing per reader
+        layout = self._chunk_layout(fetch)
         client = self._client()
         nbytes = 0
-        for chunk in self.chunks(fetch.prompt_token_ids):
+        chunks = (self.chunks(fetch.prompt_token_ids) if part is None else
+                  self.chunks(fetch.prompt_token_ids, part.src, fetch.prefill or self.shape))
+        for chunk in chunks:
             blocks = range(chunk.first_block, chunk.first_block + chunk.num_blocks)
             needed = [b for b in blocks if b in wanted]
             if not needed:
                 continue
             dst = {b: fetch.local_block_ids[b - fetch.first_block] for b in needed}
             if all(h is not None for h in self._host):
-                parts = self._scatter_views(blocks, dst)
+                parts = self._scatter_views(blocks, dst, layout)
                 self._get(client, chunk, parts, deadline)
             else:
-                self._fetch_staged(client, chunk, dst, deadline)
-            nbytes += len(needed) * sum(r.page_bytes for r in self.regions)
+                self._fetch_staged(client, chunk, dst, layout, deadline)
+            nbytes += len(needed) * sum(c.nbytes for c in layout)
         return nbytes
 
     def _get(self, client: LMCacheClient, chunk: Chunk, parts: list[memoryview],
@@ -315,28 +344,69 @@ class LMCacheTransport:
         while not client.get_into(chunk.key, parts, deadline):
             time.sleep(min(POLL_S, deadline.left()))
 
-    def _scatter_views(self, blocks: range, dst: dict[int, int]) -> list[memoryview]:
-        """Where each page of a chunk goes (layer-major): its decode block, or a page of its
-        own (the checksum covers the whole chunk) for blocks decode already holds."""
-        parts = []
-        for host, region in zip(self._host, self.regions):
-            page = region.page_bytes
+    def _chunk_layout(self, fetch: Fetch) -> list[_ChunkLayer]:
+        """The layers of a chunk of the rank read (layer-major) and where each goes here."""
+        if fetch.part is None:
+            return [_ChunkLayer(r.page_bytes, i, 0, r.page_bytes, 0)
+                    for i, r in enumerate(self.regions)]
+        part = fetch.part
+        if self.geometry is None:
+            raise TransferFailed("lmcache: no KV geometry registered; cannot map a Part")
+        prefill = fetch.prefill or self.shape
+        stage = part.src // prefill.tp
+        index = {r.layer: i for i, r in enumerate(self.regions)}
+        head = self.geometry.head_bytes
+        out = []
+        for layer in prefill.layers(stage, self.geometry.layers):
+            i = index.get(layer, -1) if layer in part.layers else -1
+            if i >= 0 and part.dst_head + part.heads > self.regions[i].heads:
+                raise TransferFailed(f"lmcache: heads {part.dst_head}..{part.dst_head + part.heads - 1}"
+                                     f" are not held here")
+            out.append(_ChunkLayer(part.src_width * head, i, part.src_head * head,
+                                   part.heads * head if i >= 0 else 0, part.dst_head * head))
+        return out
+
+    def _scatter_views(self, blocks: range, dst: dict[int, int],
+                       layout: list[_ChunkLayer]) -> list[memoryview]:
+        """Where each byte of a chunk goes (layer-major): into its decode block (the heads
+        read, at this rank's heads), or a discard buffer (blocks decode already holds, layers
+        or heads it does not)."""
+        parts: list[memoryview] = []
+
+        def discard(n: int) -> memoryview:
+            # Bytes of its own for each: the checksum covers the whole chunk as it landed.
+            return memoryview(bytearray(n))
+
+        for page, i, offset, nbytes, into in layout:
+            if i < 0:
+                parts.extend(discard(page) for _ in blocks)
+                continue
+            host, mine = self._host[i], self.regions[i]
             for b in blocks:
-                parts.append(host[dst[b] * page:(dst[b] + 1) * page] if b in dst
-                             else memoryview(bytearray(page)))
+                if b not in dst:
+                    parts.append(discard(page))
+                    continue
+                if offset:
+                    parts.append(discard(offset))
+                start = dst[b] * mine.page_bytes + into
+                parts.append(host[start:start + nbytes])
+                if page - offset - nbytes:
+                    parts.append(discard(page - offset - nbytes))
         return parts
 
     def _fetch_staged(self, client: LMCacheClient, chunk: Chunk, dst: dict[int, int],
-                      deadline: Deadline) -> None:
+                      layout: list[_ChunkLayer], deadline: Deadline) -> None:
         """KV off the host (CUDA): the chunk through one host buffer, then page copies."""
-        geometry = _Geometry(self.regions, chunk.num_blocks)
-        scratch = torch.empty(geometry.nbytes, dtype=torch.uint8)
+        scratch = torch.empty(sum(c.page for c in layout) * chunk.num_blocks, dtype=torch.uint8)
         self._get(client, chunk, [host_bytes(scratch)], deadline)
-        for b, block in dst.items():
-            for layer, region in enumerate(self.regions):
-                page = geometry.page_bytes[layer]
-                at = geometry.layer_offsets[layer] + (b - chunk.first_block) * page
-                region.pages[block].copy_(scratch[at:at + page])
+        at = 0
+        for page, i, offset, nbytes, into in layout:
+            if i >= 0:
+                mine = self.regions[i]
+                for b, block in dst.items():
+                    src = at + (b - chunk.first_block) * page + offset
+                    mine.pages[block][into:into + nbytes].copy_(scratch[src:src + nbytes])
+            at += page * chunk.num_blocks
 
     def close(self) -> None:
         if self._store_thread is not None:
@@ -380,7 +450,8 @@ class LMCacheTransport:
             if client.exists(chunk.key, deadline):
                 continue  # a shared prefix, stored by an earlier request
             runs = copy_runs(len(self.regions), block_ids, range(chunk.num_blocks))
-            parts = [host_bytes(_on_host(run_tensor(self.regions, r, "src"))) for r in runs]
+            parts = [host_bytes(_on_host(span_tensor(self.regions, span)))
+                     for span in spans(self.regions, whole_slices(self.regions), runs, "src")]
             digest = digest_views(parts) if self.config.kv_checksum else None
             client.put(chunk.key, [*parts, memoryview(pack_trailer(digest))], deadline)
 

@@ -1,8 +1,9 @@
 """``mooncake``: decode reads prefill's registered KV memory with Mooncake's TransferEngine.
 
 Both workers register their KV memory with an engine (RDMA on GPU fleets, TCP anywhere).
-Prefill advertises its engine endpoint and each layer's base address in the Hello reply; decode
-then reads granted blocks one-sidedly, one range per CopyRun, in batches within the engine's
+Prefill advertises its engine endpoint and each layer's base address (with the layer's id and
+heads) in the Hello reply; decode then reads granted blocks one-sidedly, one range per CopyRun
+(per block when it reads some of a block's heads: another TP), in batches within the engine's
 limits. The side channel still decides what may be read: decode asks with the handoff's token,
 prefill pins the handoff, and only after decode's Done may the blocks be freed and reused.
 
@@ -18,8 +19,8 @@ from typing import Any, ClassVar, Sequence
 import msgspec
 
 from kvdisagg.errors import ConfigError, IncompatiblePeerError, TransferFailed
-from kvdisagg.layout import CopyRun, LayerRegion
-from kvdisagg.transport.pull import Deadline, PullTransport
+from kvdisagg.layout import LayerRegion, Slice
+from kvdisagg.transport.pull import Deadline, PullPlan, PullTransport
 
 MAX_BATCH = 512  # the TCP transport fails batches over ~1k entries at once ("queue-full")
 
@@ -33,6 +34,8 @@ class MemoryInfo(msgspec.Struct, frozen=True, kw_only=True):
     num_blocks: list[int]
     stage_bases: list[int] = []  # each layer's staging arena (block ids from num_blocks on)
     stage_blocks: list[int] = []
+    layers: list[int] = []  # each region's layer id (the model's)
+    heads: list[int] = []  # each region's KV heads (its page holds that many)
 
 
 def rdma_devices() -> list[str]:
@@ -72,7 +75,8 @@ class MooncakeTransport(PullTransport):
             page_bytes=[r.page_bytes for r in regions],
             num_blocks=[r.num_blocks for r in regions],
             stage_bases=[r.stage.data_ptr() if r.stage_blocks else 0 for r in regions],
-            stage_blocks=[r.stage_blocks for r in regions])
+            stage_blocks=[r.stage_blocks for r in regions],
+            layers=[r.layer for r in regions], heads=[r.heads for r in regions])
 
     def server_info(self) -> dict[str, Any]:
         return msgspec.to_builtins(self._memory)
@@ -82,24 +86,35 @@ class MooncakeTransport(PullTransport):
             peer = msgspec.convert(info, MemoryInfo)
         except msgspec.ValidationError as exc:
             raise TransferFailed(f"mooncake: bad memory info from prefill: {exc}") from None
-        if peer.page_bytes != [r.page_bytes for r in self.regions]:
-            raise IncompatiblePeerError("mooncake: prefill's per-layer page sizes differ")
-        if not (len(peer.bases) == len(peer.num_blocks) == len(self.regions)):
-            raise IncompatiblePeerError("mooncake: prefill advertises another layer count")
-        if peer.stage_blocks and not (len(peer.stage_blocks) == len(peer.stage_bases)
-                                      == len(peer.bases)):
+        n = len(peer.bases)
+        if not (len(peer.num_blocks) == len(peer.page_bytes) == len(peer.layers)
+                == len(peer.heads) == n) or 0 in peer.heads:
+            raise IncompatiblePeerError("mooncake: prefill advertises malformed memory")
+        if peer.stage_blocks and not (len(peer.stage_blocks) == len(peer.stage_bases) == n):
             raise IncompatiblePeerError("mooncake: prefill advertises a malformed arena")
         return peer
 
-    def recv(self, peer: MemoryInfo, sock: socket.socket, runs: Sequence[CopyRun],
+    def recv(self, peer: MemoryInfo, sock: socket.socket, plan: PullPlan,
              deadline: Deadline) -> None:
         # Addresses by arithmetic on each layer's base, not a tensor slice per run (~2 us
         # each: 2 ms of a 16 MiB pull of scattered blocks went to building these lists).
+        remote_slices = _remote_slices(peer, plan)
+        whole = all(s.nbytes == self._memory.page_bytes[s.region] for s in plan.slices) and \
+            all(s.nbytes == peer.page_bytes[s.region] for s in remote_slices)
         local, remote, lengths = [], [], []
-        for run in runs:
-            local.append(_address(self._memory, run.layer, run.dst, run.count, "decode's"))
-            remote.append(_address(peer, run.layer, run.src, run.count, "prefill's"))
-            lengths.append(run.count * peer.page_bytes[run.layer])
+        for run in plan.runs:
+            mine, theirs = plan.slices[run.layer], remote_slices[run.layer]
+            if whole:
+                local.append(_address(self._memory, mine.region, run.dst, run.count, "decode's"))
+                remote.append(_address(peer, theirs.region, run.src, run.count, "prefill's"))
+                lengths.append(run.count * mine.nbytes)
+                continue
+            for k in range(run.count):
+                local.append(_address(self._memory, mine.region, run.dst + k, 1, "decode's")
+                             + mine.offset)
+                remote.append(_address(peer, theirs.region, run.src + k, 1, "prefill's")
+                              + theirs.offset)
+                lengths.append(mine.nbytes)
         for i in range(0, len(local), MAX_BATCH):
             deadline.left()
             rc = self.engine.batch_transfer_sync_read(
@@ -114,6 +129,20 @@ class MooncakeTransport(PullTransport):
         for addr in getattr(self, "_registered", []):
             self.engine.unregister_memory(addr)
         self._registered = []
+
+
+def _remote_slices(peer: MemoryInfo, plan: PullPlan) -> list[Slice]:
+    """Prefill's Slice of each pull layer, from the memory it advertised."""
+    index = {layer: i for i, layer in enumerate(peer.layers)}
+    out = []
+    for layer in plan.layers:
+        i = index.get(layer)
+        if i is None:
+            raise TransferFailed(f"mooncake: prefill advertises no memory of layer {layer}")
+        head = peer.page_bytes[i] // peer.heads[i]
+        first, count = plan.heads if plan.heads[1] else (0, peer.heads[i])
+        out.append(Slice(i, first * head, count * head))
+    return out
 
 
 def _address(memory: MemoryInfo, layer: int, first: int, count: int, whose: str) -> int:

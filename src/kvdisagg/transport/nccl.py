@@ -12,7 +12,8 @@ messages of two pulls never interleave.
 
 A pull is a few gathered messages, not one message per CopyRun: both sides cut the same CopyRun
 list into the same Messages (plan_messages: each layer's block rows in run order, consecutive
-layers packed together, capped at MESSAGE_BYTES). Prefill gathers a message's rows into one
+layers packed together, capped at MESSAGE_BYTES). A row is the pull's Slice of a block: the
+whole page, or the window of the heads read when the two sides' TP differ (same size on both). Prefill gathers a message's rows into one
 buffer on the KV's device and sends it; decode receives into one buffer and scatters the rows
 into its blocks (on CUDA ``index_select`` / ``index_copy_`` per layer; on CPU a ``memmove`` per
 span, see _host_copy). A side whose rows of a message are one range of consecutive blocks (decode's
@@ -39,8 +40,8 @@ import torch
 import torch.distributed as dist
 
 from kvdisagg.errors import IncompatiblePeerError, TransferFailed, TransferTimeout
-from kvdisagg.layout import CopyRun, LayerRegion
-from kvdisagg.transport.pull import Deadline, PullTransport
+from kvdisagg.layout import CopyRun, LayerRegion, Slice
+from kvdisagg.transport.pull import Deadline, PullPlan, PullTransport
 
 
 MESSAGE_BYTES = {"gloo": 4 << 20, "nccl": 32 << 20}
@@ -51,7 +52,7 @@ IN_FLIGHT = 4  # messages posted ahead of the one being waited for: bounds the b
 
 
 class Segment(NamedTuple):
-    """One layer's rows of a message, on one side (block ids, in CopyRun order)."""
+    """One pull layer's rows of a message, on one side (block ids, in CopyRun order)."""
 
     layer: int
     ids: list[int]
@@ -60,6 +61,7 @@ class Segment(NamedTuple):
 def plan_messages(runs: Sequence[CopyRun], side: str, page_bytes: Sequence[int],
                   max_bytes: int) -> list[list[Segment]]:
     """Cut a pull into messages of at most ``max_bytes`` (or one block, if larger).
+    ``page_bytes``: the bytes moved per block of each pull layer (its Slice).
 
     Both sides call this on the same CopyRun list with the same sizes, so the k-th message
     holds the same rows, in the same order, on both: prefill's ids on ``side="src"``, decode's
@@ -166,25 +168,25 @@ class NcclTransport(PullTransport):
         if peer is not None and hasattr(peer, "abort") and self.backend == "nccl":
             peer.abort()
 
-    def send(self, peer: Any, sock: socket.socket, runs: Sequence[CopyRun],
-             deadline: Deadline, grant: bytes) -> None:
+    def send(self, peer: Any, sock: socket.socket, plan: PullPlan, deadline: Deadline,
+             grant: bytes) -> None:
         sock.sendall(grant)
+        slices = plan.slices
         pending: deque[Any] = deque()  # posted sends; each holds its buffer until sent
-        for k, message in enumerate(self._plan(runs, "src")):
+        for k, message in enumerate(self._plan(plan, "src")):
             if len(pending) == IN_FLIGHT:
                 self._wait([pending.popleft()], deadline)
-            direct = self._direct(message)
-            pending.append(peer.send([self._gather(message) if direct is None else direct],
-                                     1, k))
+            direct = self._direct(message, slices)
+            pending.append(peer.send(
+                [self._gather(message, slices) if direct is None else direct], 1, k))
         self._wait(list(pending), deadline)
 
-    def recv(self, peer: Any, sock: socket.socket, runs: Sequence[CopyRun],
-             deadline: Deadline) -> None:
-        messages = self._plan(runs, "dst")
+    def recv(self, peer: Any, sock: socket.socket, plan: PullPlan, deadline: Deadline) -> None:
+        messages, slices = self._plan(plan, "dst"), plan.slices
 
         def post(k: int) -> tuple[list[Segment], torch.Tensor | None, Any]:
-            direct = self._direct(messages[k])  # None: into a buffer, scattered once here
-            buf = self._buffer(messages[k]) if direct is None else None
+            direct = self._direct(messages[k], slices)  # None: into a buffer, scattered here
+            buf = self._buffer(messages[k], slices) if direct is None else None
             return messages[k], buf, peer.recv([direct if buf is None else buf], 0, k)
 
         pending = deque(post(k) for k in range(min(IN_FLIGHT, len(messages))))
@@ -196,65 +198,73 @@ class NcclTransport(PullTransport):
                 pending.append(post(posted))
                 posted += 1
             if buf is not None:
-                self._scatter(message, buf)
+                self._scatter(message, slices, buf)
 
-    def _plan(self, runs: Sequence[CopyRun], side: str) -> list[list[Segment]]:
-        return plan_messages(runs, side, [r.page_bytes for r in self.regions],
+    def _plan(self, plan: PullPlan, side: str) -> list[list[Segment]]:
+        return plan_messages(plan.runs, side, [s.nbytes for s in plan.slices],
                              MESSAGE_BYTES[self.backend])
 
-    def _direct(self, message: list[Segment]) -> torch.Tensor | None:
-        """The KV rows themselves if ``message`` is one layer's consecutive paged blocks (a
-        contiguous range): sent or received in place, with no gather or scatter copy. Each side
-        decides for itself; the peer sees the same bytes either way."""
+    def _direct(self, message: list[Segment], slices: Sequence[Slice]) -> torch.Tensor | None:
+        """The KV rows themselves if ``message`` is one layer's consecutive paged blocks, whole
+        pages (a contiguous range): sent or received in place, with no gather or scatter copy.
+        Each side decides for itself; the peer sees the same bytes either way."""
         if len(message) != 1:
             return None
-        region, ids = self.regions[message[0].layer], message[0].ids
-        first = ids[0]
-        if first + len(ids) > region.num_blocks or ids != list(range(first, first + len(ids))):
+        sl, ids = slices[message[0].layer], message[0].ids
+        region, first = self.regions[sl.region], ids[0]
+        if sl.nbytes != region.page_bytes or first + len(ids) > region.num_blocks \
+                or ids != list(range(first, first + len(ids))):
             return None
         return region.pages[first:first + len(ids)]
 
-    def _buffer(self, message: list[Segment]) -> torch.Tensor:
+    def _buffer(self, message: list[Segment], slices: Sequence[Slice]) -> torch.Tensor:
         """One flat buffer for ``message``, on the KV's device."""
-        nbytes = sum(len(seg.ids) * self.regions[seg.layer].page_bytes for seg in message)
+        nbytes = sum(len(seg.ids) * slices[seg.layer].nbytes for seg in message)
         return torch.empty(nbytes, dtype=torch.uint8, device=self.regions[0].pages.device)
 
-    def _parts(self, message: list[Segment], buf: torch.Tensor) -> list[torch.Tensor]:
-        """``buf`` cut into each segment's rows ``[len(ids), page_bytes]``."""
+    def _parts(self, message: list[Segment], slices: Sequence[Slice],
+               buf: torch.Tensor) -> list[torch.Tensor]:
+        """``buf`` cut into each segment's rows ``[len(ids), slice bytes]``."""
         parts, offset = [], 0
         for seg in message:
-            page = self.regions[seg.layer].page_bytes
-            parts.append(buf[offset:offset + len(seg.ids) * page].view(len(seg.ids), page))
-            offset += len(seg.ids) * page
+            row = slices[seg.layer].nbytes
+            parts.append(buf[offset:offset + len(seg.ids) * row].view(len(seg.ids), row))
+            offset += len(seg.ids) * row
         return parts
 
-    def _gather(self, message: list[Segment]) -> torch.Tensor:
-        buf = self._buffer(message)
-        for seg, rows in zip(message, self._parts(message, buf)):
-            region = self.regions[seg.layer]
-            n = region.num_blocks
+    def _gather(self, message: list[Segment], slices: Sequence[Slice]) -> torch.Tensor:
+        buf = self._buffer(message, slices)
+        for seg, rows in zip(message, self._parts(message, slices, buf)):
+            sl = slices[seg.layer]
+            region = self.regions[sl.region]
+            n, window = region.num_blocks, (sl.offset, sl.nbytes)
             if buf.device.type == "cpu":
-                _host_copy(region, seg.ids, rows.data_ptr(), into_kv=False)
+                _host_copy(region, seg.ids, rows.data_ptr(), into_kv=False, window=window)
             elif max(seg.ids) < n:
-                torch.index_select(region.pages, 0, _index(seg.ids, buf.device), out=rows)
+                pages = region.pages.narrow(1, sl.offset, sl.nbytes)
+                torch.index_select(pages, 0, _index(seg.ids, buf.device), out=rows)
             elif min(seg.ids) >= n:  # a staged handoff: the arena is pinned host memory
                 index = _index([i - n for i in seg.ids], region.stage.device)
-                rows.copy_(region.stage.index_select(0, index))
+                rows.copy_(region.stage.narrow(1, sl.offset, sl.nbytes).index_select(0, index))
             else:  # part staged, part paged: row by row (the worker stages whole handoffs)
                 for row, block in zip(rows, seg.ids):
-                    row.copy_(region.rows(block, 1)[0])
+                    row.copy_(region.rows(block, 1)[0][sl.offset:sl.offset + sl.nbytes])
         return buf
 
-    def _scatter(self, message: list[Segment], buf: torch.Tensor) -> None:
-        for seg, rows in zip(message, self._parts(message, buf)):
-            region = self.regions[seg.layer]
+    def _scatter(self, message: list[Segment], slices: Sequence[Slice],
+                 buf: torch.Tensor) -> None:
+        for seg, rows in zip(message, self._parts(message, slices, buf)):
+            sl = slices[seg.layer]
+            region = self.regions[sl.region]
             if buf.device.type == "cpu":
-                _host_copy(region, seg.ids, rows.data_ptr(), into_kv=True)
+                _host_copy(region, seg.ids, rows.data_ptr(), into_kv=True,
+                           window=(sl.offset, sl.nbytes))
             elif max(seg.ids) < region.num_blocks:
-                region.pages.index_copy_(0, _index(seg.ids, buf.device), rows)
+                region.pages.narrow(1, sl.offset, sl.nbytes).index_copy_(
+                    0, _index(seg.ids, buf.device), rows)
             else:  # decode has no arena today; row by row if it ever does
                 for row, block in zip(rows, seg.ids):
-                    region.rows(block, 1)[0].copy_(row)
+                    region.rows(block, 1)[0][sl.offset:sl.offset + sl.nbytes].copy_(row)
 
     def _wait(self, works: list[Any], deadline: Deadline) -> None:
         try:
@@ -289,21 +299,29 @@ def spans(ids: Sequence[int], limit: int) -> list[tuple[int, int]]:
     return out
 
 
-def _host_copy(region: LayerRegion, ids: Sequence[int], buf: int, into_kv: bool) -> None:
-    """Copy blocks ``ids`` of a CPU region to (or from) consecutive rows at address ``buf``.
+def _host_copy(region: LayerRegion, ids: Sequence[int], buf: int, into_kv: bool,
+               window: tuple[int, int] | None = None) -> None:
+    """Copy blocks ``ids`` of a CPU region to (or from) consecutive rows at address ``buf``;
+    with ``window`` (offset, nbytes), only those bytes of each block (rows of nbytes).
 
     One ``memmove`` per span through ctypes, not a torch index op: a torch index kernel on CPU
     runs an OpenMP team, and with prefill's and decode's teams on shared cores every transfer
     crawled (1 MiB pulls took 7 ms instead of 0.8); ctypes also releases the GIL (see
     layout.stage_into, which copies the same way for the same reason)."""
     page, n = region.page_bytes, region.num_blocks
+    offset, nbytes = window or (0, page)
     for first, count in spans(ids, n):
         if first < n:
             kv = region.pages.data_ptr() + first * page
         else:
             kv = region.stage.data_ptr() + (first - n) * page
-        if into_kv:
-            ctypes.memmove(kv, buf, count * page)
+        if nbytes == page:
+            pieces = ((kv, count * page),)
         else:
-            ctypes.memmove(buf, kv, count * page)
-        buf += count * page
+            pieces = ((kv + k * page + offset, nbytes) for k in range(count))
+        for at, length in pieces:
+            if into_kv:
+                ctypes.memmove(at, buf, length)
+            else:
+                ctypes.memmove(buf, at, length)
+            buf += length

@@ -5,20 +5,27 @@ msgpack frames, protocol.py) between each decode worker and each prefill worker 
 opened once and kept:
 
     decode                               prefill
-    Hello(layout, transport, info)  ->   check; Reply(info)     (once per connection; a
-                                         transport may set up a peer here: nccl joins a group)
-    Read(handoff, token, blocks,    ->   pin the handoff if the token and blocks are its own;
-         checksum)                  <-   Reply(nbytes)
+    Hello(layout, geometry,         ->   check (a refusal names what differs); Reply(info)
+          transport, info)               (once per connection; a transport may set up a peer
+                                         here: nccl joins a group)
+    Read(handoff, token, blocks,    ->   pin the handoff if the token and blocks are its own
+         layers, heads, checksum)   <-   Wait, Wait, ...  (while the handoff is not offered yet)
+                                    <-   Reply(nbytes)
            ... the bytes move: send()/recv() of the subclass (tcp inline, nccl send/recv,
                mooncake a one-sided read of the memory advertised in the Hello reply) ...
-                                    <-   Checksum(digest of the runs it sent)   (if asked)
-    Done(handoff, token, checksum_ok) -> unpin, free                    (one-way)
+                                    <-   Checksum(digest of what it sent)   (if asked)
+    Done(handoff, token, readers,   ->   unpin; free once ``readers`` Dones came  (one-way)
+         checksum_ok)
+
+A decode worker reads the layers and heads its Part names (sharding.py) from each prefill
+worker it needs; a Part with no layers only sends Done (a replica no decode worker reads).
 
 Checksums (integrity.py) are computed here for every pull transport, over each side's own KV
-memory: prefill after its send() (for a one-sided read, while decode reads the pinned blocks),
-decode after its recv(), before it reads prefill's frame, so the two hash at once. A mismatch
-fails the pull with ChecksumMismatch after Done (prefill frees the handoff; the load is reported
-failed and vLLM's kv_load_failure_policy applies).
+memory (the spans of its layers and heads, in stream order): prefill after its send() (for a
+one-sided read, while decode reads the pinned blocks), decode after its recv(), before it reads
+prefill's frame, so the two hash at once. A mismatch fails the pull with ChecksumMismatch after
+Done (prefill frees the handoff; the load is reported failed and vLLM's kv_load_failure_policy
+applies).
 
 Decode's scheduler keeps the handoffs it holds alive over a control connection of its own
 (Hello with ``control``; no transport peer is set up for it):
@@ -29,7 +36,12 @@ Decode's scheduler keeps the handoffs it holds alive over a control connection o
 A decode worker keeps a small pool of connections per prefill worker: each pull owns one
 connection from checkout to checkin, so concurrent pulls never share a socket.
 
-Subclasses override the data-path hooks below; everything else (auth, leases, pinning, deadlines,
+Bounds measure liveness, not duration (``Silence``): every wait on the side channel and on the
+data path ends when the peer has been silent for ``transfer_timeout_seconds``, however long the
+whole pull takes while bytes (or Wait frames) keep coming. A killed peer is an error at once (its
+connections reset), a stopped or unreachable one after that much silence.
+
+Subclasses override the data-path hooks below; everything else (auth, leases, pinning, bounds,
 connection reuse, errors) is here once.
 """
 
@@ -41,14 +53,15 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, NamedTuple, Sequence
 
 from kvdisagg.config import ConnectorConfig
 from kvdisagg.errors import (ChecksumMismatch, IncompatiblePeerError, PeerUnreachable,
                              TransferFailed, TransferTimeout, TransportError)
 from kvdisagg.integrity import ALGORITHMS, Digester
-from kvdisagg.layout import CopyRun, LayerRegion, check_blocks, copy_runs, run_bytes
-from kvdisagg.protocol import (PROTOCOL_VERSION, Checksum, Done, Hello, Read, Renew, Reply,
+from kvdisagg.layout import (CopyRun, KvGeometry, LayerRegion, Slice, check_blocks, copy_runs,
+                             pull_slices, run_bytes, whole_slices)
+from kvdisagg.protocol import (PROTOCOL_VERSION, Checksum, Done, Hello, Read, Renew, Reply, Wait,
                                encode_frame, recv_frame, send_frame)
 from kvdisagg.threads import start_thread
 from kvdisagg.tracing import Tracer, now_ns
@@ -59,10 +72,12 @@ logger = logging.getLogger(__name__)
 
 IDLE_CONNECTION_S = 600.0  # prefill drops a side-channel connection idle this long
 POOLED_PER_PEER = 8  # idle connections decode keeps per prefill worker (one per pull thread)
+SLOW_HANDSHAKE_S = 5.0  # a Hello answered later than this is logged (a starved or busy peer)
 
 
 class Deadline:
-    """One bound for a whole operation, handed out piecewise to each blocking call."""
+    """One bound for a whole operation, handed out piecewise to each blocking call (used where
+    the peer's liveness cannot be seen: a store that does not hold a chunk yet)."""
 
     def __init__(self, seconds: float, what: str) -> None:
         self.seconds, self.what = seconds, what
@@ -73,6 +88,25 @@ class Deadline:
         if left <= 0:
             raise TransferTimeout(f"{self.what} exceeded {self.seconds:.1f}s")
         return left
+
+
+class Silence(Deadline):
+    """A bound on the peer's silence, not on the operation: each blocking call gets the whole
+    of it, so a pull goes on as long as the peer keeps sending (a slow, live peer never times
+    out; a stopped one does, after ``seconds`` without a byte)."""
+
+    def left(self) -> float:
+        return self.seconds
+
+
+class PullPlan(NamedTuple):
+    """One Read as one side moves it: the runs, this side's Slice of each pull layer, the
+    layers (the model's ids, in pull order) and ``(first, count)`` of prefill's own heads."""
+
+    runs: list[CopyRun]
+    slices: list[Slice]
+    layers: tuple[int, ...]
+    heads: tuple[int, int]
 
 
 @dataclass
@@ -92,8 +126,10 @@ class PullTransport:
 
     def __init__(self, config: ConnectorConfig, tp_rank: int = 0) -> None:
         self.config, self.tp_rank = config, tp_rank
+        self.rank = tp_rank  # this worker's rank in its instance (PP-major); set by register
         self.regions: list[LayerRegion] = []
         self.kv_layout = ""
+        self.geometry: KvGeometry | None = None
         self.table = HandoffTable()
         self._listener: socket.socket | None = None
         self._closed = False
@@ -125,31 +161,39 @@ class PullTransport:
     def close_peer(self, peer: Any) -> None:
         """Either side: a connection's state is no longer needed."""
 
-    def send(self, peer: Any, sock: socket.socket, runs: Sequence[CopyRun],
-             deadline: Deadline, grant: bytes) -> None:
+    def send(self, peer: Any, sock: socket.socket, plan: PullPlan, deadline: Deadline,
+             grant: bytes) -> None:
         """Prefill, for a granted Read: write ``grant`` (the encoded Reply) to ``sock``, then
-        deliver ``runs`` (or nothing, for one-sided reads). Inline data may go in the same
-        system call as the grant."""
+        deliver the plan's runs (or nothing, for one-sided reads). Inline data may go in the
+        same system call as the grant."""
         sock.sendall(grant)
 
-    def recv(self, peer: Any, sock: socket.socket, runs: Sequence[CopyRun],
-             deadline: Deadline) -> None:
-        """Decode, for a granted Read: fill the local side of ``runs``."""
+    def recv(self, peer: Any, sock: socket.socket, plan: PullPlan, deadline: Deadline) -> None:
+        """Decode, for a granted Read: fill the local side of the plan's runs."""
         raise NotImplementedError
 
     # ---- Transport ------------------------------------------------------------------------
     def register(self, regions: Sequence[LayerRegion], *, kv_layout: str, block_size: int,
-                 is_producer: bool) -> int:
-        self.regions, self.kv_layout = list(regions), kv_layout
+                 is_producer: bool, geometry: KvGeometry | None = None,
+                 rank: int | None = None, shape: Any = None) -> int:
+        """``rank``: this worker's rank in its instance (PP-major); a fixed
+        ``side_channel_port`` is that of rank 0, rank r listens on port + r."""
+        self.regions, self.kv_layout, self.geometry = list(regions), kv_layout, geometry
         self.digester = Digester(self.regions)
+        if rank is not None:
+            self.rank = rank
         self.attach(self.regions, is_producer)
         if not is_producer:
             return 0
         port = self.config.side_channel_port
         self._listener = socket.create_server(
-            (self.config.side_channel_host, port + self.tp_rank if port else 0), backlog=64)
+            (self.config.side_channel_host, port + self.rank if port else 0), backlog=64)
         start_thread(self._accept_loop, f"kvdisagg-{self.name}-accept")
         return self._listener.getsockname()[1]
+
+    def step(self, running: bool) -> None:
+        """Prefill's worker: an engine step started (``running``) or ended."""
+        self.table.step(running)
 
     def offer(self, offer: Offer) -> None:
         if offer.trace:
@@ -163,8 +207,9 @@ class PullTransport:
         return released
 
     def fetch(self, fetch: Fetch, timeout_s: float, timing: PullTiming | None = None) -> int:
-        deadline = Deadline(timeout_s, f"pull of handoff {fetch.handoff_id} from "
-                                       f"{fetch.host}:{fetch.port}")
+        """``timeout_s`` bounds prefill's silence, not the pull (Silence)."""
+        deadline = Silence(timeout_s, f"pull of handoff {fetch.handoff_id} from "
+                                      f"{fetch.host}:{fetch.port}")
         key = (fetch.host, fetch.port)
         # A pooled connection may have died since its last use (prefill restarted): drop the
         # pool and retry once on a fresh connection, before anything was granted.
@@ -236,11 +281,12 @@ class PullTransport:
         except OSError as exc:
             raise PeerUnreachable(f"prefill side channel {host}:{port} unreachable: {exc}"
                                   ) from None
+        start = time.monotonic()
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(deadline.left())
             send_frame(sock, Hello(kv_layout=self.kv_layout, transport=self.name,
-                                   info=self.client_info()))
+                                   info=self.client_info(), geometry=self.geometry))
             reply = recv_frame(sock)
             if not isinstance(reply, Reply):
                 raise TransferFailed(f"prefill {host}:{port} answered Hello with {reply!r}")
@@ -250,10 +296,14 @@ class PullTransport:
         except BaseException as exc:
             sock.close()
             if isinstance(exc, socket.timeout):
-                raise TransferTimeout(f"{deadline.what}: handshake timed out") from None
+                raise TransferTimeout(f"{deadline.what}: prefill accepted the connection but "
+                                      f"said nothing for {deadline.seconds:.1f}s (stopped, or "
+                                      "its side channel is not served)") from None
             if isinstance(exc, OSError):
                 raise TransferFailed(f"handshake with {host}:{port} broke: {exc}") from None
             raise
+        if (took := time.monotonic() - start) > SLOW_HANDSHAKE_S:
+            logger.warning("kvdisagg: handshake with prefill %s:%d took %.1fs", host, port, took)
         return _Connection(sock, peer)
 
     def _close_connection(self, conn: _Connection) -> None:
@@ -261,6 +311,26 @@ class PullTransport:
             self.close_peer(conn.peer)
         finally:
             conn.sock.close()
+
+    def _pull_plan(self, fetch: Fetch) -> PullPlan | None:
+        """What decode reads: the fetch's Part (its layers this worker holds, its heads), or
+        every layer and head (a Fetch without a Part: both sides sharded alike). None: the
+        Part only releases."""
+        if fetch.part is None:
+            layers = tuple(r.layer for r in self.regions)
+            slices, heads = whole_slices(self.regions), (0, 0)
+        else:
+            held = {r.layer for r in self.regions}
+            layers = tuple(layer for layer in fetch.part.layers if layer in held)
+            if not layers:
+                return None
+            heads = (fetch.part.src_head, fetch.part.heads)
+            try:
+                slices = pull_slices(self.regions, layers, fetch.part.dst_head, fetch.part.heads)
+            except ValueError as exc:
+                raise TransferFailed(f"decode cannot take its part: {exc}") from None
+        runs = copy_runs(len(layers), fetch.remote_block_ids, fetch.local_block_ids)
+        return PullPlan(runs, slices, layers, heads)
 
     def _pull(self, conn: _Connection, fetch: Fetch, deadline: Deadline,
               timing: PullTiming | None) -> int:
@@ -270,56 +340,63 @@ class PullTransport:
                                         f"{self.kv_layout}")
         if error := check_blocks(self.regions, fetch.local_block_ids):
             raise TransferFailed(f"decode's {error}")
+        plan = self._pull_plan(fetch) if fetch.local_block_ids else None
         try:
             nbytes, mismatch = 0, ""
-            if fetch.local_block_ids:
-                runs = copy_runs(len(self.regions), fetch.remote_block_ids,
-                                 fetch.local_block_ids)
+            if plan is not None:
                 algorithm = self.digester.native if self.config.kv_checksum else None
                 sock.settimeout(deadline.left())
                 try:
                     send_frame(sock, Read(handoff_id=fetch.handoff_id, token=fetch.token,
                                           block_ids=list(fetch.remote_block_ids),
                                           dst_block_ids=list(fetch.local_block_ids),
-                                          checksum=algorithm.value if algorithm else ""))
+                                          checksum=algorithm.value if algorithm else "",
+                                          layers=list(plan.layers),
+                                          heads=list(plan.heads) if plan.heads[1] else []))
                     reply = recv_frame(sock)
+                except socket.timeout:
+                    raise
                 except (OSError, TransferFailed) as exc:
                     raise _StaleConnection(str(exc)) from None
+                while isinstance(reply, Wait):  # prefill is alive; its engine has not
+                    reply = recv_frame(sock)    # offered the handoff yet
                 if not isinstance(reply, Reply):
                     raise TransferFailed(f"{where} answered {reply!r}")
                 if not reply.ok:
                     raise TransferFailed(f"{where} refused the read: {reply.error}")
-                nbytes = run_bytes(self.regions, runs)
+                nbytes = run_bytes(plan.slices, plan.runs)
                 if nbytes != reply.nbytes:
                     raise IncompatiblePeerError(f"{where} sends {reply.nbytes} bytes, "
                                                 f"decode expects {nbytes}")
                 if timing is not None:
                     timing.mark("read")
-                self.recv(conn.peer, sock, runs, deadline)
+                self.recv(conn.peer, sock, plan, deadline)
                 if algorithm is not None:
-                    mismatch = self._verify(sock, runs, algorithm, deadline, fetch, where)
+                    mismatch = self._verify(sock, plan, algorithm, deadline, fetch, where)
                 if timing is not None:
                     timing.mark("transfer")
             sock.settimeout(deadline.left())
             send_frame(sock, Done(handoff_id=fetch.handoff_id, token=fetch.token,
-                                  checksum_ok=not mismatch))
+                                  checksum_ok=not mismatch,
+                                  readers=fetch.part.readers if fetch.part else 1))
             if timing is not None:
                 timing.mark("done")
             if mismatch:
                 raise ChecksumMismatch(mismatch)
             return nbytes
         except socket.timeout:
-            raise TransferTimeout(f"{deadline.what} exceeded {deadline.seconds:.1f}s") from None
+            raise TransferTimeout(f"{deadline.what}: prefill silent for "
+                                  f"{deadline.seconds:.1f}s") from None
         except TransportError:
             raise
         except OSError as exc:
             raise TransferFailed(f"pull from {where} broke: {exc}") from None
 
-    def _verify(self, sock: socket.socket, runs: Sequence[CopyRun], algorithm: Any,
+    def _verify(self, sock: socket.socket, plan: PullPlan, algorithm: Any,
                 deadline: Deadline, fetch: Fetch, where: str) -> str:
         """Decode: hash what landed, then read prefill's checksum; '' if they match, else
         what to report (the handoff, the peer, both digests)."""
-        mine = self.digester.digest(runs, "dst", algorithm)
+        mine = self.digester.digest(plan.runs, "dst", algorithm, plan.slices)
         sock.settimeout(deadline.left())
         theirs = recv_frame(sock)
         if not isinstance(theirs, Checksum) or theirs.algorithm != algorithm.value:
@@ -329,31 +406,52 @@ class PullTransport:
             return ""
         return (f"KV checksum mismatch pulling handoff {fetch.handoff_id} from {where}: "
                 f"{algorithm.value} {theirs.digest.hex()} sent, {mine.hex()} received "
-                f"({run_bytes(self.regions, runs)} bytes into decode blocks "
+                f"({run_bytes(plan.slices, plan.runs)} bytes into decode blocks "
                 f"{list(fetch.local_block_ids)[:8]}...); the load fails")
 
     # ---- prefill side ---------------------------------------------------------------------
     def _accept_loop(self) -> None:
+        """Accept until closed. An error of one pending connection (Linux passes a connection
+        reset before accept() as accept's error) or a transient shortage (file descriptors,
+        threads) must not end the loop: a prefill worker whose listener stopped accepting would
+        look alive and answer no decode again."""
         assert self._listener is not None
         while not self._closed:
             try:
                 sock, _ = self._listener.accept()
-            except OSError:
-                return
-            start_thread(self._serve, f"kvdisagg-{self.name}-serve", sock)
+            except OSError as exc:
+                if self._closed:
+                    return
+                logger.warning("kvdisagg: side channel accept failed (%s); still accepting", exc)
+                time.sleep(0.05)
+                continue
+            try:
+                start_thread(self._serve, f"kvdisagg-{self.name}-serve", sock,
+                             time.monotonic())
+            except RuntimeError as exc:  # can't start new thread
+                logger.error("kvdisagg: cannot serve a side-channel connection: %s", exc)
+                sock.close()
+                time.sleep(0.05)
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _serve(self, sock: socket.socket, accepted: float) -> None:
         peer = None
         timeout = self.config.transfer_timeout_seconds
         try:
             with sock:
+                started = time.monotonic()
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 sock.settimeout(timeout)
                 hello = recv_frame(sock)
+                received = time.monotonic()
                 error = self._check_hello(hello)
                 info = {} if error else self.server_info()
                 send_frame(sock, Reply(ok=not error, error=error, kv_layout=self.kv_layout,
                                        info=info))
+                if (done := time.monotonic()) - accepted > SLOW_HANDSHAKE_S:
+                    logger.warning("kvdisagg: a Hello took %.1fs to answer (serving thread "
+                                   "started %.1fs after accept, Hello read %.1fs later, reply "
+                                   "%.1fs later)", done - accepted, started - accepted,
+                                   received - started, done - received)
                 if error:
                     return
                 assert isinstance(hello, Hello)
@@ -384,41 +482,68 @@ class PullTransport:
         if msg.transport != self.name:
             return f"transport {msg.transport!r} != prefill's {self.name!r}"
         if msg.kv_layout != self.kv_layout:
-            return (f"kv_layout differs: prefill {self.kv_layout}, decode {msg.kv_layout} "
-                    "(model, dtype, block size, TP and CPU kind must match)")
+            what = (self.geometry.differences(msg.geometry)
+                    if self.geometry is not None and msg.geometry is not None else "")
+            return (f"KV layouts differ: {what or 'fingerprint prefill ' + self.kv_layout}"
+                    f"{'' if what else ', decode ' + msg.kv_layout} (model, dtype, KV dtype, "
+                    "block size, head size, KV heads, layers and CPU kind must match; TP and "
+                    "PP may differ)")
         return ""
+
+    def _read_plan(self, read: Read) -> tuple[PullPlan | None, str]:
+        """Prefill's side of a Read: the layers and heads it names, checked against what this
+        worker holds (ids come off the wire)."""
+        if error := check_blocks(self.regions, read.block_ids):
+            return None, error
+        if len(read.dst_block_ids) != len(read.block_ids):
+            return None, f"{len(read.block_ids)} blocks to read into {len(read.dst_block_ids)}"
+        if len(read.heads) not in (0, 2):
+            return None, f"heads {read.heads}: expected [first, count]"
+        try:
+            if read.layers or read.heads:
+                layers = read.layers or [r.layer for r in self.regions]
+                first, count = read.heads or (0, self.regions[0].heads)
+                slices = pull_slices(self.regions, layers, first, count)
+            else:
+                layers, slices = [r.layer for r in self.regions], whole_slices(self.regions)
+        except ValueError as exc:
+            return None, str(exc)
+        heads = (slices[0].offset // self.regions[slices[0].region].head_bytes,
+                 slices[0].nbytes // self.regions[slices[0].region].head_bytes) if slices \
+            else (0, 0)
+        return PullPlan(copy_runs(len(slices), read.block_ids, read.dst_block_ids), slices,
+                        tuple(layers), heads), ""
 
     def _handle(self, peer: Any, sock: socket.socket, msg: object) -> None:
         match msg:
-            case Read(handoff_id=rid, token=token, block_ids=src, dst_block_ids=dst,
-                      checksum=checksum):
+            case Read(handoff_id=rid, token=token, block_ids=src, checksum=checksum):
                 start_ns = now_ns()
-                error = check_blocks(self.regions, src)
-                if not error and len(dst) != len(src):
-                    error = f"{len(src)} blocks to read into {len(dst)}"
+                plan, error = self._read_plan(msg)
                 if not error and checksum and checksum not in ALGORITHMS:
                     error = (f"unknown checksum algorithm {checksum!r} (prefill knows "
                              f"{sorted(ALGORITHMS)})")
                 if not error:
                     # A Read may come before the worker learnt of its handoff (that arrives in
-                    # the next engine step's metadata, late on a busy host): wait for it as
-                    # long as a transfer may take; decode's own deadline bounds it too.
+                    # the next engine step's metadata, late on a busy host): it waits while the
+                    # engine makes progress, telling decode it is alive (Wait) meanwhile.
                     error = self.table.pin(rid, token, src,
-                                           self.config.transfer_timeout_seconds)
+                                           self.config.transfer_timeout_seconds,
+                                           keepalive=lambda: send_frame(sock, Wait()))
                 pinned_ns = now_ns()
                 if error:
                     send_frame(sock, Reply(ok=False, error=error))
                     return
+                assert plan is not None
                 try:
-                    runs = copy_runs(len(self.regions), src, dst)
-                    deadline = Deadline(self.config.transfer_timeout_seconds,
-                                        f"serving handoff {rid}")
-                    self.send(peer, sock, runs, deadline, encode_frame(
-                        Reply(ok=True, nbytes=run_bytes(self.regions, runs))))
+                    deadline = Silence(self.config.transfer_timeout_seconds,
+                                       f"serving handoff {rid}")
+                    self.send(peer, sock, plan, deadline, encode_frame(
+                        Reply(ok=True, nbytes=run_bytes(plan.slices, plan.runs))))
                     # One-sided reads happen now; the pin holds until decode says Done.
                     if checksum:
                         algorithm = ALGORITHMS[checksum]
-                        digest = self.digester.digest(runs, "src", algorithm)
+                        digest = self.digester.digest(plan.runs, "src", algorithm,
+                                                      plan.slices)
                         sock.settimeout(deadline.left())
                         send_frame(sock, Checksum(algorithm=checksum, digest=digest))
                     sock.settimeout(deadline.left())
@@ -428,7 +553,8 @@ class PullTransport:
                                        "checksum mismatch); freeing it, decode fails the load",
                                        _peer_name(sock), rid, checksum)
                     if isinstance(done, Done) and done.handoff_id == rid:
-                        if self.table.release(rid, done.token):
+                        if self.table.release(rid, done.token, done.readers,
+                                              force=not done.ok):
                             end_ns = now_ns()
                             self.observe("serve", (end_ns - start_ns) / 1e9)
                             self.tracer.record("kvdisagg.serve", self._traces.get(rid, ""),
@@ -440,8 +566,8 @@ class PullTransport:
                         raise TransferFailed(f"expected Done for {rid}, got {done!r}")
                 finally:
                     self.table.unpin(rid)
-            case Done(handoff_id=rid, token=token):
-                if not self.table.release(rid, token):
+            case Done(handoff_id=rid, token=token, ok=ok, readers=readers):
+                if not self.table.release(rid, token, readers, force=not ok):
                     logger.warning("kvdisagg: Done for unknown handoff %s (or wrong token)", rid)
             case Renew(handoffs=refs):
                 self.table.renew([(r.handoff_id, r.token) for r in refs])
