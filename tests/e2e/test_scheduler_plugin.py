@@ -23,7 +23,7 @@ from .conftest import (LOG_DIR, completion_tokens, metric, prompt_ids, wait_hand
 
 pytestmark = pytest.mark.e2e
 
-SCHEDULER = ["--scheduler-cls", "kvdisagg.scheduler.SloScheduler"]
+SCHEDULER = ["--scheduler-cls", "kvdisagg.slo_scheduler.SloScheduler"]
 PREFILL = {"ttft_s": 5.0, "starvation_s": 120.0, "held_kv_share": 0.5}
 # Predicted step 0.01 + 0.03 * batch s: at most 6 streams within a TPOT of 0.2 s (the unit
 # tests check the batch never exceeds the cap; here, that the cap was in force).

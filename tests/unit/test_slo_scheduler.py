@@ -1,6 +1,6 @@
-"""kvdisagg.scheduler.SloScheduler driven as vLLM drives it: vLLM's real Scheduler machinery with
+"""kvdisagg.slo_scheduler.SloScheduler driven as vLLM drives it: vLLM's real Scheduler machinery with
 DisaggConnector, through tests/unit/vllm_harness.py (the harness builds ``Scheduler``; here it
-builds the class ``--scheduler-cls kvdisagg.scheduler.SloScheduler`` resolves to). No processes,
+builds the class ``--scheduler-cls kvdisagg.slo_scheduler.SloScheduler`` resolves to). No processes,
 no model: the workers are emulated by the harness. Settings come through $KVDISAGG_SCHEDULER
 (the connector refuses keys it does not know in kv_connector_extra_config)."""
 
@@ -20,12 +20,12 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvdisagg.errors import ConfigError  # noqa: E402
-from kvdisagg.scheduler import (ENV_VAR, SLO_PARAMS_KEY, AsyncSloScheduler,  # noqa: E402
+from kvdisagg.slo_scheduler import (ENV_VAR, SLO_PARAMS_KEY, AsyncSloScheduler,  # noqa: E402
                                 SchedulerSettings, SloScheduler, SloStats, load_settings)
 from tests.unit import vllm_harness  # noqa: E402
 from tests.unit.vllm_harness import SchedulerHarness, Step, cleanup_model_dir  # noqa: E402
 
-SCHEDULER_CLS = "kvdisagg.scheduler.SloScheduler"
+SCHEDULER_CLS = "kvdisagg.slo_scheduler.SloScheduler"
 REMOTE_DECODE = {"do_remote_decode": True}
 NOW = 1_000_000.0  # the scheduler's clock in these tests (wall-clock seconds)
 
@@ -37,7 +37,7 @@ def _model_dir_removed():
 
 
 def resolved_cls() -> type:
-    """What vLLM's EngineCore instantiates for ``--scheduler-cls kvdisagg.scheduler.SloScheduler``."""
+    """What vLLM's EngineCore instantiates for ``--scheduler-cls kvdisagg.slo_scheduler.SloScheduler``."""
     return SchedulerConfig.default_factory(scheduler_cls=SCHEDULER_CLS).get_scheduler_cls()
 
 

@@ -5,13 +5,37 @@ histogram ``vllm:kvdisagg_phase_seconds{phase=...}``."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPromMetrics,
-                                                                  KVConnectorStats)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from kvdisagg.scheduler import PROM_COUNTERS
+
+class SloStats(NamedTuple):
+    """SloScheduler's counters since start (monotonic)."""
+
+    deadline_misses: int
+    """Requests first admitted after their TTFT deadline."""
+    reordered: int
+    """Steps in which deadline ordering changed the waiting queue's order."""
+    batch_cap_in_force: int
+    """Steps that ended with the batch at the TPOT cap while requests were waiting."""
+    backpressure_steps: int
+    """Steps in which new prompts waited because held KV was above ``held_kv_share``."""
+
+
+PROM_COUNTERS = {f"sched_{name}": doc for name, doc in zip(SloStats._fields, (
+    "Requests SloScheduler first admitted after their TTFT deadline",
+    "Steps in which SloScheduler's deadline order changed the waiting queue",
+    "Steps that ended at SloScheduler's TPOT batch cap while requests waited",
+    "Steps in which new prompts waited because KV held for handoffs exceeded held_kv_share",
+), strict=True)}
+"""SloStats as ``kv_connector_stats`` keys (``sched_`` + field, in field order): DisaggConnector's
+metrics export them as ``vllm:kvdisagg_sched_*`` counters on the instance's /metrics."""
+
 
 FIELDS = {
     "pulls": "KV pulls completed by this decode instance",

@@ -1,7 +1,7 @@
 """SloScheduler: vLLM's v1 Scheduler with deadline-aware admission (``--scheduler-cls``).
 
 Runs in the EngineCore process, in place of vLLM's scheduler; select it with
-``--scheduler-cls kvdisagg.scheduler.SloScheduler`` (vLLM resolves the qualified name with
+``--scheduler-cls kvdisagg.slo_scheduler.SloScheduler`` (vLLM resolves the qualified name with
 ``resolve_obj_by_qualname`` inside EngineCore). vLLM builds the class it is given whatever
 ``async_scheduling`` says, so SloScheduler picks its own base when built: vLLM's
 ``AsyncScheduler`` when async scheduling is on (vLLM's default on GPUs: the next step is
@@ -37,16 +37,17 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Annotated, Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal
 
 import msgspec
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.interface import PauseState
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
+from kvdisagg.connector.stats import PROM_COUNTERS, SloStats
 from kvdisagg.errors import ConfigError
 from kvdisagg.protocol import SLO_PARAMS_KEY, RequestSlo
 
@@ -111,29 +112,6 @@ class SchedulerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             return None
         # The small epsilon keeps an exact fit (0.02 + 0.01 * 3 == 0.05) from flooring down.
         return int((self.tpot_s - self.decode_base_s) / self.decode_per_seq_s + 1e-9)
-
-
-class SloStats(NamedTuple):
-    """SloScheduler's counters since start (monotonic)."""
-
-    deadline_misses: int
-    """Requests first admitted after their TTFT deadline."""
-    reordered: int
-    """Steps in which deadline ordering changed the waiting queue's order."""
-    batch_cap_in_force: int
-    """Steps that ended with the batch at the TPOT cap while requests were waiting."""
-    backpressure_steps: int
-    """Steps in which new prompts waited because held KV was above ``held_kv_share``."""
-
-
-PROM_COUNTERS = {f"sched_{name}": doc for name, doc in zip(SloStats._fields, (
-    "Requests SloScheduler first admitted after their TTFT deadline",
-    "Steps in which SloScheduler's deadline order changed the waiting queue",
-    "Steps that ended at SloScheduler's TPOT batch cap while requests waited",
-    "Steps in which new prompts waited because KV held for handoffs exceeded held_kv_share",
-), strict=True)}
-"""SloStats as ``kv_connector_stats`` keys (``sched_`` + field, in field order): DisaggConnector's
-metrics export them as ``vllm:kvdisagg_sched_*`` counters on the instance's /metrics."""
 
 
 def parse_settings(raw: object, source: str) -> SchedulerSettings:
