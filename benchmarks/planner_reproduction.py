@@ -18,7 +18,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from kvdisagg.planner.goodput import SimEnv, Slo, goodput, simulate
+from kvdisagg.planner.goodput import SimEnv, SloTarget, goodput, simulate
 from kvdisagg.planner.placement import Colocated, Disaggregated
 from kvdisagg.planner.profile import load_profile
 from kvdisagg.planner.search import plan
@@ -26,9 +26,9 @@ from kvdisagg.planner.workload import draw, load_lengths
 
 ROWS = [
     # model, SLO, DistServe placement, its N, vLLM placement, its N, published DistServe, vLLM
-    ("facebook/opt-13b", Slo(ttft_s=0.25, tpot_s=0.1), Disaggregated(prefill_tp=2, decode_tp=1), 300,
+    ("facebook/opt-13b", SloTarget(ttft_s=0.25, tpot_s=0.1), Disaggregated(prefill_tp=2, decode_tp=1), 300,
      Colocated(tp=1), 100, 2.3, 0.5),
-    ("facebook/opt-66b", Slo(ttft_s=2.5, tpot_s=0.15), Disaggregated(prefill_tp=4, decode_tp=2, decode_pp=2), 200,
+    ("facebook/opt-66b", SloTarget(ttft_s=2.5, tpot_s=0.15), Disaggregated(prefill_tp=4, decode_tp=2, decode_pp=2), 200,
      Colocated(tp=4), 100, 0.9553, 0.3473),
 ]
 HISTORY = Path(__file__).resolve().parents[2] / "shared/distserve/profile_data_history/5331c99/profiler-a100-80g.vllm.json"

@@ -155,13 +155,13 @@ def test_poisson_arrivals_rate_and_common_random_numbers() -> None:
 
 
 def test_trace_rescaled_to_rate() -> None:
-    rows = [workload.Lengths(4, 2, timestamp=t) for t in (10.0, 12.0, 11.0, 14.0)]
+    rows = [workload.RequestLengths(4, 2, timestamp=t) for t in (10.0, 12.0, 11.0, 14.0)]
     assert workload.trace_times(rows, None) == [0.0, 1.0, 2.0, 4.0]
     assert workload.trace_times(rows, 1.5) == pytest.approx([0.0, 0.5, 1.0, 2.0])
     specs = workload.build(4, None, seed=0, salt=0, dataset=rows, trace=True)
     assert [s.at_s for s in specs] == [0.0, 1.0, 2.0, 4.0]
     with pytest.raises(ValueError, match="timestamp"):
-        workload.trace_times([workload.Lengths(1, 1)], None)
+        workload.trace_times([workload.RequestLengths(1, 1)], None)
 
 
 def test_datasets(tmp_path) -> None:
@@ -172,7 +172,7 @@ def test_datasets(tmp_path) -> None:
     j.write_text(json.dumps({"prompt": [5, 6, 7], "output_len": 2}) + "\n\n"
                  + json.dumps({"prompt": "a b c d", "output_len": 1, "timestamp": 1.5}) + "\n")
     rows = workload.load_dataset(j)
-    assert rows[0] == workload.Lengths(3, 2, [5, 6, 7], None)
+    assert rows[0] == workload.RequestLengths(3, 2, [5, 6, 7], None)
     assert rows[1].prompt_len == 4 and rows[1].timestamp == 1.5
     bad = tmp_path / "bad.csv"
     bad.write_text("prompt_len,output_len\n12,x\n")

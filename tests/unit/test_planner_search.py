@@ -8,7 +8,7 @@ import pytest
 
 from kvdisagg.cli import main
 from kvdisagg.planner.commands import Launch, launch_commands
-from kvdisagg.planner.goodput import SimEnv, Slo, goodput, max_rate, tightest_slo_scale
+from kvdisagg.planner.goodput import SimEnv, SloTarget, goodput, max_rate, tightest_slo_scale
 from kvdisagg.planner.placement import Colocated, Disaggregated
 from kvdisagg.planner.profile import ParallelProfile, Profile, save_profile
 from kvdisagg.planner.search import plan
@@ -33,11 +33,11 @@ def test_goodput_falls_with_tighter_slo_and_scale_is_consistent():
     env = SimEnv(profile=_profile())
     seed = draw(load_lengths("sharegpt"), 400, seed=0)
     pl = Disaggregated()
-    loose = goodput(pl, seed, env, Slo(ttft_s=1.0, tpot_s=0.1))
-    tight = goodput(pl, seed, env, Slo(ttft_s=0.3, tpot_s=0.05))
+    loose = goodput(pl, seed, env, SloTarget(ttft_s=1.0, tpot_s=0.1))
+    tight = goodput(pl, seed, env, SloTarget(ttft_s=0.3, tpot_s=0.05))
     assert loose.rate > tight.rate > 0
     # At the loose goodput rate, scale 1 of the loose SLO is (just) enough.
-    k = tightest_slo_scale(pl, seed.at_rate(loose.rate), env, Slo(ttft_s=1.0, tpot_s=0.1))
+    k = tightest_slo_scale(pl, seed.at_rate(loose.rate), env, SloTarget(ttft_s=1.0, tpot_s=0.1))
     assert 0.5 < k <= 1.0
 
 
@@ -46,7 +46,7 @@ def test_single_request_slo_scale_known_answer():
     seed = draw(load_lengths("fixed:100:11"), 1, seed=0)
     m_ttft = (10 + 0.1 * 100 + 1e-5 * 100**2) * 1e-3
     # TTFT SLO = 2x the single-request prefill: scale 0.5 is the tightest met.
-    k = tightest_slo_scale(Disaggregated(), seed.at_rate(1.0), env, Slo(ttft_s=2 * m_ttft, tpot_s=10.0))
+    k = tightest_slo_scale(Disaggregated(), seed.at_rate(1.0), env, SloTarget(ttft_s=2 * m_ttft, tpot_s=10.0))
     assert k == pytest.approx(0.5, rel=0.01)
 
 
@@ -54,7 +54,7 @@ def test_single_request_slo_scale_known_answer():
 def test_search_matches_brute_force(affinity):
     env = SimEnv(profile=_profile())
     seed = draw(load_lengths("sharegpt"), 120, seed=0)
-    slo = Slo(ttft_s=0.4, tpot_s=0.06)
+    slo = SloTarget(ttft_s=0.4, tpot_s=0.06)
     gpus = 3
     best = 0.0
     for tp_p, tp_d, n_p, n_d in itertools.product((1, 2), (1, 2), (1, 2), (1, 2)):
@@ -70,7 +70,7 @@ def test_search_matches_brute_force(affinity):
 def test_plan_replicates_to_meet_rate():
     env = SimEnv(profile=_profile())
     seed = draw(load_lengths("sharegpt"), 120, seed=0)
-    slo = Slo(ttft_s=0.4, tpot_s=0.06)
+    slo = SloTarget(ttft_s=0.4, tpot_s=0.06)
     free = plan(seed, env, slo, gpus=3, rel_tol=0.03)
     want = free.unit.goodput * 2.5
     p = plan(seed, env, slo, gpus=12, rate=want, rel_tol=0.03)
@@ -140,7 +140,7 @@ def test_placements_the_connector_does_not_serve_get_no_launch_lines(placement, 
 def test_plan_keeps_instances_within_a_node():
     env = SimEnv(profile=_profile())
     seed = draw(load_lengths("sharegpt"), 120, seed=0)
-    slo = Slo(ttft_s=0.4, tpot_s=0.06)
+    slo = SloTarget(ttft_s=0.4, tpot_s=0.06)
     for affinity in ("high", "low"):
         found = plan(seed, env, slo, gpus=4, gpus_per_node=1 if affinity == "high" else 4,
                      affinity=affinity, rel_tol=0.05)

@@ -8,7 +8,7 @@ import pytest
 
 from kvdisagg.planner.latency import LatencyModel
 from kvdisagg.planner.profile import ParallelProfile
-from kvdisagg.planner.simulator import InstanceSpec, simulate_colocated, simulate_disaggregated
+from kvdisagg.planner.simulator import SimInstance, simulate_colocated, simulate_disaggregated
 from kvdisagg.planner.workload import Requests, draw, load_lengths
 
 
@@ -28,7 +28,7 @@ def _decode_total(m, batch, plen, steps):
 @pytest.mark.parametrize("steps", [1, 7, 300])
 def test_single_request_disaggregated(steps):
     m = _model()
-    tl = simulate_disaggregated(_req([1.0], [500], [steps]), [InstanceSpec(m)], [InstanceSpec(m)])
+    tl = simulate_disaggregated(_req([1.0], [500], [steps]), [SimInstance(m)], [SimInstance(m)])
     assert tl.prefill_end[0] == pytest.approx(1.0 + m.prefill_s(500, 500**2))
     assert tl.first[0] == pytest.approx(tl.prefill_end[0] + m.decode_s(1, 501))
     assert tl.finish[0] == pytest.approx(tl.prefill_end[0] + _decode_total(m, 1, 500, steps))
@@ -36,7 +36,7 @@ def test_single_request_disaggregated(steps):
 
 def test_single_request_colocated_matches_disaggregated_phases():
     m = _model(it=2.0)
-    tl = simulate_colocated(_req([0.0], [300], [50]), [InstanceSpec(m)])
+    tl = simulate_colocated(_req([0.0], [300], [50]), [SimInstance(m)])
     assert tl.prefill_end[0] == pytest.approx(m.prefill_s(300, 300**2))
     assert tl.finish[0] == pytest.approx(tl.prefill_end[0] + _decode_total(m, 1, 300, 50))
 
@@ -45,7 +45,7 @@ def test_saturated_prefill_queue_serializes():
     # Budget of one prompt per batch: the k-th of n simultaneous prompts ends at k * service time.
     m = _model()
     n, plen = 20, 400
-    tl = simulate_disaggregated(_req([0.0] * n, [plen] * n, [1] * n), [InstanceSpec(m, prefill_budget=plen)], [])
+    tl = simulate_disaggregated(_req([0.0] * n, [plen] * n, [1] * n), [SimInstance(m, prefill_budget=plen)], [])
     service = m.prefill_s(plen, plen**2)
     np.testing.assert_allclose(np.sort(tl.prefill_end), service * np.arange(1, n + 1))
 
@@ -54,7 +54,7 @@ def test_saturated_pipeline_overlaps_stages():
     # pp=2: stage 0 takes first = work/2 + overheads; batches enter every `first` seconds.
     m = _model(pp=2, it=3.0)
     n, plen = 10, 400
-    tl = simulate_disaggregated(_req([0.0] * n, [plen] * n, [1] * n), [InstanceSpec(m, prefill_budget=plen)], [])
+    tl = simulate_disaggregated(_req([0.0] * n, [plen] * n, [1] * n), [SimInstance(m, prefill_budget=plen)], [])
     first, other = m.prefill_stages_s(plen, plen**2)
     assert first > other
     np.testing.assert_allclose(np.sort(tl.prefill_end), first * np.arange(1, n + 1) + other)
@@ -63,7 +63,7 @@ def test_saturated_pipeline_overlaps_stages():
 def test_prefill_batches_by_token_budget():
     # The first prompt starts at once on the idle instance; the queued ones batch up to 250 tokens.
     m = _model()
-    tl = simulate_disaggregated(_req([0.0] * 4, [100] * 4, [1] * 4), [InstanceSpec(m, prefill_budget=250)], [])
+    tl = simulate_disaggregated(_req([0.0] * 4, [100] * 4, [1] * 4), [SimInstance(m, prefill_budget=250)], [])
     one, two = m.prefill_s(100, 100**2), m.prefill_s(200, 2 * 100**2)
     np.testing.assert_allclose(tl.prefill_end, [one, one + two, one + two, 2 * one + two])
 
@@ -75,7 +75,7 @@ def test_md1_mean_wait_matches_pollaczek_khinchine():
     rho = 0.7
     seed = draw(load_lengths("fixed:1:1"), 40000, seed=1)
     req = seed.at_rate(rho / d)
-    tl = simulate_disaggregated(req, [InstanceSpec(m, prefill_budget=1)], [])
+    tl = simulate_disaggregated(req, [SimInstance(m, prefill_budget=1)], [])
     wait = np.mean(tl.prefill_end - tl.arrival) - d
     assert wait == pytest.approx(rho * d / (2 * (1 - rho)), rel=0.05)
 
@@ -83,7 +83,7 @@ def test_md1_mean_wait_matches_pollaczek_khinchine():
 def test_continuous_batching_steps_together():
     m = _model()
     k, plen, steps = 8, 100, 20
-    tl = simulate_disaggregated(_req([0.0] * k, [plen] * k, [steps] * k), [], [InstanceSpec(m)])
+    tl = simulate_disaggregated(_req([0.0] * k, [plen] * k, [steps] * k), [], [SimInstance(m)])
     # Request 0 starts alone on the idle instance; the other k-1 join at its first step boundary.
     t = m.decode_s(1, plen + 1)
     for j in range(steps):
@@ -99,7 +99,7 @@ def test_late_joiner_shares_steps_and_light_load_skipping_is_exact():
     # A lone request decodes for a while (steps are skipped in closed form), then a second joins.
     m = _model()
     one = m.decode_s(1, 101)
-    tl = simulate_disaggregated(_req([0.0, 10.5 * one], [100, 100], [40, 5]), [], [InstanceSpec(m)])
+    tl = simulate_disaggregated(_req([0.0, 10.5 * one], [100, 100], [40, 5]), [], [SimInstance(m)])
     # Request 1 joins at the first step boundary after its arrival (step 11 of request 0).
     t = sum(m.decode_s(1, 100 + j + 1) for j in range(11))
     for j in range(5):
@@ -112,7 +112,7 @@ def test_late_joiner_shares_steps_and_light_load_skipping_is_exact():
 def test_kv_capacity_admits_one_at_a_time():
     m = _model()
     cap = 150  # one 100-token prompt plus its 20 generated tokens fits, two do not
-    tl = simulate_disaggregated(_req([0.0, 0.0], [100, 100], [20, 20]), [], [InstanceSpec(m, capacity=cap)])
+    tl = simulate_disaggregated(_req([0.0, 0.0], [100, 100], [20, 20]), [], [SimInstance(m, capacity=cap)])
     alone = _decode_total(m, 1, 100, 20)
     assert sorted(tl.finish) == pytest.approx([alone, 2 * alone])
 
@@ -120,7 +120,7 @@ def test_kv_capacity_admits_one_at_a_time():
 def test_kv_transfer_time_from_bytes_and_bandwidth():
     m = _model()
     bw = 1e6  # bytes/s
-    tl = simulate_disaggregated(_req([0.0], [200], [3]), [InstanceSpec(m)], [InstanceSpec(m)],
+    tl = simulate_disaggregated(_req([0.0], [200], [3]), [SimInstance(m)], [SimInstance(m)],
                                 kv_bytes_per_token=1000, link_bytes_per_s=bw)
     xfer = 200 * 1000 / bw
     assert tl.finish[0] == pytest.approx(tl.prefill_end[0] + xfer + _decode_total(m, 1, 200, 3))
@@ -131,7 +131,7 @@ def test_colocated_prefill_preempts_decode_steps():
     m = _model()
     one = m.decode_s(1, 101)
     p0 = m.prefill_s(100, 100**2)
-    tl = simulate_colocated(_req([0.0, p0 + 2.5 * one], [100, 100], [10, 1]), [InstanceSpec(m)])
+    tl = simulate_colocated(_req([0.0, p0 + 2.5 * one], [100, 100], [10, 1]), [SimInstance(m)])
     assert tl.prefill_end[1] == pytest.approx(p0 + sum(m.decode_s(1, 100 + j + 1) for j in range(3)) + p0)
     assert tl.finish[0] > p0 + _decode_total(m, 1, 100, 10) + p0 * 0.99
 
@@ -139,7 +139,7 @@ def test_colocated_prefill_preempts_decode_steps():
 def test_deterministic_under_seed():
     m = _model()
     lengths = load_lengths("sharegpt")
-    runs = [simulate_disaggregated(draw(lengths, 500, seed=s).at_rate(3.0), [InstanceSpec(m)], [InstanceSpec(m)])
+    runs = [simulate_disaggregated(draw(lengths, 500, seed=s).at_rate(3.0), [SimInstance(m)], [SimInstance(m)])
             for s in (7, 7, 8)]
     np.testing.assert_array_equal(runs[0].finish, runs[1].finish)
     assert not np.array_equal(runs[0].finish, runs[2].finish)
@@ -152,7 +152,7 @@ def test_client_definition_counts_the_handoff():
     from kvdisagg.planner.goodput import latencies
 
     m = _model()
-    tl = simulate_disaggregated(_req([0.0], [200], [5]), [InstanceSpec(m)], [InstanceSpec(m)])
+    tl = simulate_disaggregated(_req([0.0], [200], [5]), [SimInstance(m)], [SimInstance(m)])
     ttft_ds, tpot_ds = latencies(tl, "distserve", colocated=False)
     ttft_cl, tpot_cl = latencies(tl, "client", colocated=False)
     assert ttft_ds[0] == pytest.approx(m.prefill_s(200, 200**2))
@@ -181,9 +181,9 @@ def test_decode_batch_cap_bounds_the_batch_and_shortens_steps(colocated):
 
     def run(spec):
         return (simulate_colocated(req, [spec]) if colocated
-                else simulate_disaggregated(req, [InstanceSpec(m)], [spec]))
+                else simulate_disaggregated(req, [SimInstance(m)], [spec]))
 
-    free, capped = run(InstanceSpec(m)), run(InstanceSpec(m, max_batch=3))
+    free, capped = run(SimInstance(m)), run(SimInstance(m, max_batch=3))
     decoding = (capped.finish - capped.first) if not colocated else None
     assert _most_decoding_at_once(free) == 8
     if not colocated:  # disaggregated: decode alone; prefill ends are the same in both runs

@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise _fail(str(exc)) from None
     if dataset and (args.max_prompt_len or args.max_output_len):
-        dataset = [workload.Lengths(min(d.prompt_len, args.max_prompt_len or d.prompt_len),
+        dataset = [workload.RequestLengths(min(d.prompt_len, args.max_prompt_len or d.prompt_len),
                                     min(d.output_len, args.max_output_len or d.output_len),
                                     d.prompt, d.timestamp) for d in dataset]
     lo, hi = _range(args.token_id_range, "--token-id-range")

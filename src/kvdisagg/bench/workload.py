@@ -30,7 +30,7 @@ class RequestSpec(NamedTuple):
     prompt: list[int] | str
 
 
-class Lengths(NamedTuple):
+class RequestLengths(NamedTuple):
     prompt_len: int
     output_len: int
     prompt: str | list[int] | None = None  # a dataset's own prompt, sent as is
@@ -80,11 +80,11 @@ class LengthDist:
         return min(n, self.max_len) if self.max_len else n
 
 
-def load_dataset(path: str | Path) -> list[Lengths]:
+def load_dataset(path: str | Path) -> list[RequestLengths]:
     """Rows of a ``.csv`` (columns ``prompt_len,output_len[,timestamp]``) or ``.jsonl`` file
     (keys ``prompt_len`` or ``prompt`` (text or token ids), ``output_len``, ``timestamp``)."""
     path = Path(path)
-    rows: list[Lengths] = []
+    rows: list[RequestLengths] = []
     try:
         text = path.read_text()
     except OSError as exc:
@@ -94,7 +94,7 @@ def load_dataset(path: str | Path) -> list[Lengths]:
         for i, row in enumerate(reader, 2):
             try:
                 ts = row.get("timestamp")
-                rows.append(Lengths(int(row["prompt_len"]), int(row["output_len"]),
+                rows.append(RequestLengths(int(row["prompt_len"]), int(row["output_len"]),
                                     timestamp=float(ts) if ts not in (None, "") else None))
             except (KeyError, TypeError, ValueError) as exc:
                 raise ValueError(f"{path}:{i}: need integer prompt_len and output_len "
@@ -112,7 +112,7 @@ def load_dataset(path: str | Path) -> list[Lengths]:
                 plen = int(row["prompt_len"]) if "prompt_len" in row else (
                     len(prompt) if isinstance(prompt, list) else len(str(prompt).split()))
                 ts = row.get("timestamp")
-                rows.append(Lengths(plen, int(row["output_len"]), prompt,
+                rows.append(RequestLengths(plen, int(row["output_len"]), prompt,
                                     float(ts) if ts is not None else None))
             except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
                 raise ValueError(f"{path}:{i}: need output_len and prompt_len or prompt "
@@ -141,7 +141,7 @@ def arrival_times(n: int, rate: float, kind: Arrival, seed: int) -> list[float]:
     return out
 
 
-def trace_times(rows: Sequence[Lengths], rate: float | None) -> list[float]:
+def trace_times(rows: Sequence[RequestLengths], rate: float | None) -> list[float]:
     """A trace's timestamps from 0, rescaled to ``rate`` req/s on average (None: as recorded)."""
     ts = [r.timestamp for r in rows]
     if any(t is None for t in ts):
@@ -163,7 +163,7 @@ def _prompt(n: int, rng: random.Random, token_ids: tuple[int, int] | None) -> li
 
 def build(n: int, rate: float | None, *, seed: int, salt: int, arrival: Arrival = "poisson",
           prompt_len: LengthDist | None = None, output_len: LengthDist | None = None,
-          dataset: Sequence[Lengths] | None = None, trace: bool = False,
+          dataset: Sequence[RequestLengths] | None = None, trace: bool = False,
           token_ids: tuple[int, int] | None = (10, 500)) -> list[RequestSpec]:
     """The requests of one run. ``dataset`` rows are drawn with replacement (``trace``: in
     order, at their timestamps). ``token_ids=None`` sends text prompts of ~``prompt_len`` words."""
@@ -186,7 +186,7 @@ def build(n: int, rate: float | None, *, seed: int, salt: int, arrival: Arrival 
         else:
             if prompt_len is None or output_len is None:
                 raise ValueError("give prompt and output length distributions or a dataset")
-            rows = [Lengths(prompt_len.sample(rng_len), output_len.sample(rng_len))
+            rows = [RequestLengths(prompt_len.sample(rng_len), output_len.sample(rng_len))
                     for _ in range(n)]
     out = []
     for i, (t, row) in enumerate(zip(times, rows)):

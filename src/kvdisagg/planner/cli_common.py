@@ -53,8 +53,8 @@ def resolve_profile(spec: str, model: str | None):  # -> Profile
     return load_profile(spec, model=model)
 
 
-def load_common(args: argparse.Namespace):  # -> (Profile, TraceSeed, SimEnv, Slo)
-    from kvdisagg.planner.goodput import SimEnv, Slo
+def load_common(args: argparse.Namespace):  # -> (Profile, TraceSeed, SimEnv, SloTarget)
+    from kvdisagg.planner.goodput import SimEnv, SloTarget
     from kvdisagg.planner.workload import draw, load_lengths
 
     if args.ttft_slo <= 0 or args.tpot_slo <= 0:
@@ -71,5 +71,5 @@ def load_common(args: argparse.Namespace):  # -> (Profile, TraceSeed, SimEnv, Sl
     seed = draw(load_lengths(args.workload), args.requests, seed=args.seed)
     env = SimEnv(profile=profile, definition=args.definition, link_gbps=args.link_gbps,
                  prefill_budget=args.prefill_budget, decode_batch_cap=args.decode_batch_cap)
-    slo = Slo(ttft_s=args.ttft_slo, tpot_s=args.tpot_slo, attainment=args.attainment)
+    slo = SloTarget(ttft_s=args.ttft_slo, tpot_s=args.tpot_slo, attainment=args.attainment)
     return profile, seed, env, slo

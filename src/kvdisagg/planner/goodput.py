@@ -26,20 +26,20 @@ from kvdisagg.errors import ConfigError
 from kvdisagg.planner.latency import LatencyModel
 from kvdisagg.planner.placement import Colocated, Placement
 from kvdisagg.planner.profile import Profile
-from kvdisagg.planner.simulator import InstanceSpec, Timeline, simulate_colocated, simulate_disaggregated
+from kvdisagg.planner.simulator import SimInstance, Timeline, simulate_colocated, simulate_disaggregated
 from kvdisagg.planner.workload import Requests, TraceSeed
 
 Definition = Literal["distserve", "client"]
 
 
-class Slo(msgspec.Struct, frozen=True, kw_only=True):
+class SloTarget(msgspec.Struct, frozen=True, kw_only=True):
     ttft_s: float
     tpot_s: float
     attainment: float = 0.9
     """Target fraction of requests meeting both SLOs."""
 
-    def scaled(self, k: float) -> Slo:
-        return Slo(ttft_s=self.ttft_s * k, tpot_s=self.tpot_s * k, attainment=self.attainment)
+    def scaled(self, k: float) -> SloTarget:
+        return SloTarget(ttft_s=self.ttft_s * k, tpot_s=self.tpot_s * k, attainment=self.attainment)
 
 
 class SimEnv(msgspec.Struct, frozen=True, kw_only=True):
@@ -56,9 +56,9 @@ class SimEnv(msgspec.Struct, frozen=True, kw_only=True):
     """Most requests decoding at once per instance; None: KV capacity only. The SloScheduler's
     TPOT cap (``SchedulerSettings.decode_batch_cap()``)."""
 
-    def spec(self, tp: int, pp: int) -> InstanceSpec:
+    def spec(self, tp: int, pp: int) -> SimInstance:
         cfg = self.profile.get(tp, pp)
-        return InstanceSpec(LatencyModel(cfg), cfg.max_num_tokens, self.prefill_budget,
+        return SimInstance(LatencyModel(cfg), cfg.max_num_tokens, self.prefill_budget,
                             self.decode_batch_cap)
 
 
@@ -90,7 +90,7 @@ def latencies(tl: Timeline, definition: Definition, colocated: bool) -> tuple[np
     return ttft, tpot
 
 
-def attainment(tl: Timeline, slo: Slo, definition: Definition = "distserve", *, colocated: bool = False,
+def attainment(tl: Timeline, slo: SloTarget, definition: Definition = "distserve", *, colocated: bool = False,
                phase: Literal["both", "ttft", "tpot"] = "both") -> float:
     """Fraction of requests meeting the SLOs (both, or one phase for single-phase runs)."""
     ttft, tpot = latencies(tl, definition, colocated)
@@ -138,7 +138,7 @@ def max_rate(attain_at: Callable[[float], float], target: float, *, start: float
     return RateResult(lo, lo_att, sims)
 
 
-def goodput(placement: Placement, seed: TraceSeed, env: SimEnv, slo: Slo, *,
+def goodput(placement: Placement, seed: TraceSeed, env: SimEnv, slo: SloTarget, *,
             start: float | None = None, rel_tol: float = 0.01) -> RateResult:
     """Highest total rate of ``placement`` meeting ``slo`` (divide by ``num_gpus`` for per GPU)."""
     colocated = isinstance(placement, Colocated)
@@ -150,7 +150,7 @@ def goodput(placement: Placement, seed: TraceSeed, env: SimEnv, slo: Slo, *,
 
 
 def phase_goodput(phase: Literal["prefill", "decode"], tp: int, pp: int, seed: TraceSeed, env: SimEnv,
-                  slo: Slo, *, start: float = 1.0, rel_tol: float = 0.01) -> RateResult:
+                  slo: SloTarget, *, start: float = 1.0, rel_tol: float = 0.01) -> RateResult:
     """Highest rate one prefill-only (TTFT) or decode-only (TPOT) instance sustains at the target.
 
     DistServe's high-affinity search optimises each phase on its own like this.
@@ -168,7 +168,7 @@ def phase_goodput(phase: Literal["prefill", "decode"], tp: int, pp: int, seed: T
     return max_rate(attain_at, slo.attainment, start=start, rel_tol=rel_tol)
 
 
-def tightest_slo_scale(placement: Placement, req: Requests, env: SimEnv, slo: Slo, *,
+def tightest_slo_scale(placement: Placement, req: Requests, env: SimEnv, slo: SloTarget, *,
                        rel_tol: float = 0.005) -> float:
     """Smallest k such that ``slo`` scaled by k is met at the trace's rate (DistServe Fig. 8 bottom)."""
     tl = simulate(placement, req, env)

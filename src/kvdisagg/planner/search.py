@@ -30,7 +30,7 @@ from typing import Literal
 import msgspec
 
 from kvdisagg.errors import ConfigError
-from kvdisagg.planner.goodput import SimEnv, Slo, goodput, phase_goodput
+from kvdisagg.planner.goodput import SimEnv, SloTarget, goodput, phase_goodput
 from kvdisagg.planner.placement import Colocated, Disaggregated, Placement
 from kvdisagg.planner.workload import TraceSeed
 
@@ -74,7 +74,7 @@ def _rank_key(c: Candidate) -> tuple[float, int]:
 class Searcher:
     """Caches phase-alone and joint goodputs for one (trace seed, env, SLO)."""
 
-    def __init__(self, seed: TraceSeed, env: SimEnv, slo: Slo, *, rel_tol: float = 0.01,
+    def __init__(self, seed: TraceSeed, env: SimEnv, slo: SloTarget, *, rel_tol: float = 0.01,
                  max_verify: int = 12, phase_requests: int = 1000) -> None:
         self.seed, self.env, self.slo = seed, env, slo
         # Phase-alone runs only rank candidates, so they use a prefix of the trace; the joint
@@ -193,7 +193,7 @@ def _scaled(p: Disaggregated | Colocated, k: int) -> Disaggregated | Colocated:
     return msgspec.structs.replace(p, num_prefill=p.num_prefill * k, num_decode=p.num_decode * k)
 
 
-def plan(seed: TraceSeed, env: SimEnv, slo: Slo, *, gpus: int, gpus_per_node: int | None = None,
+def plan(seed: TraceSeed, env: SimEnv, slo: SloTarget, *, gpus: int, gpus_per_node: int | None = None,
          affinity: Literal["high", "low"] = "high", rate: float | None = None,
          colocated_env: SimEnv | None = None, rel_tol: float = 0.01) -> Plan:
     """Search placements for ``gpus`` GPUs; ``colocated_env`` may use another profile (DistServe

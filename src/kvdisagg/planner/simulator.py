@@ -430,7 +430,7 @@ class _Colocated:
         self.step(t)
 
 
-class InstanceSpec(NamedTuple):
+class SimInstance(NamedTuple):
     """One instance to simulate: its latency model and KV capacity / prefill token budget."""
 
     model: LatencyModel
@@ -459,7 +459,7 @@ def _finish(sim: _Sim, steps: np.ndarray) -> Timeline:
 
 
 def simulate_disaggregated(
-    req: Requests, prefill: Sequence[InstanceSpec], decode: Sequence[InstanceSpec], *,
+    req: Requests, prefill: Sequence[SimInstance], decode: Sequence[SimInstance], *,
     kv_bytes_per_token: int = 0, link_bytes_per_s: float = math.inf, steps: np.ndarray | None = None,
 ) -> Timeline:
     """Disaggregated fleet. With no prefill instances requests arrive at decode with their KV
@@ -488,7 +488,7 @@ def simulate_disaggregated(
     return _finish(sim, st)
 
 
-def simulate_colocated(req: Requests, instances: Sequence[InstanceSpec], *,
+def simulate_colocated(req: Requests, instances: Sequence[SimInstance], *,
                        steps: np.ndarray | None = None) -> Timeline:
     """Colocated instances (each prefill-prioritised), requests to the least-loaded one."""
     if not instances:

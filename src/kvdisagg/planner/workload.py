@@ -19,7 +19,7 @@ import numpy as np
 from kvdisagg.errors import ConfigError
 
 
-class Lengths(msgspec.Struct, frozen=True):
+class LengthPool(msgspec.Struct, frozen=True):
     """A pool of (prompt_len, output_len) pairs that requests are drawn from (with replacement)."""
 
     name: str
@@ -38,7 +38,7 @@ class Requests(NamedTuple):
     output: np.ndarray
 
 
-def load_lengths(spec: str) -> Lengths:
+def load_lengths(spec: str) -> LengthPool:
     """``sharegpt`` (DistServe's ShareGPT, OPT tokenizer), ``fixed:PROMPT:OUTPUT``, or a file.
 
     A file is CSV with ``prompt_len,output_len`` columns, or JSON lines with those keys (also
@@ -55,7 +55,7 @@ def load_lengths(spec: str) -> Lengths:
             raise ConfigError(f"workload {spec!r}: expected fixed:PROMPT_LEN:OUTPUT_LEN") from exc
         if pl < 1 or ol < 1:
             raise ConfigError(f"workload {spec!r}: lengths must be >= 1")
-        return Lengths(spec, (pl,), (ol,))
+        return LengthPool(spec, (pl,), (ol,))
     path = Path(spec)
     if not path.is_file():
         raise ConfigError(f"workload {spec!r}: not 'sharegpt', 'fixed:P:O' or an existing file")
@@ -69,7 +69,7 @@ def load_lengths(spec: str) -> Lengths:
     return _from_rows(path.name, rows)
 
 
-def _from_rows(name: str, rows: object) -> Lengths:
+def _from_rows(name: str, rows: object) -> LengthPool:
     prompt, output = [], []
     for row in rows:  # type: ignore[attr-defined]
         try:
@@ -83,7 +83,7 @@ def _from_rows(name: str, rows: object) -> Lengths:
         output.append(o)
     if not prompt:
         raise ConfigError(f"workload {name}: no rows")
-    return Lengths(name, tuple(prompt), tuple(output))
+    return LengthPool(name, tuple(prompt), tuple(output))
 
 
 class TraceSeed(NamedTuple):
@@ -99,7 +99,7 @@ class TraceSeed(NamedTuple):
         return Requests(np.cumsum(self.gaps) / rate, self.prompt, self.output)
 
 
-def draw(lengths: Lengths, n: int, *, seed: int = 0, poisson: bool = True) -> TraceSeed:
+def draw(lengths: LengthPool, n: int, *, seed: int = 0, poisson: bool = True) -> TraceSeed:
     """``n`` requests with lengths drawn from ``lengths`` and Poisson (or even) arrival gaps."""
     if n < 1:
         raise ConfigError(f"number of requests must be >= 1, got {n}")
