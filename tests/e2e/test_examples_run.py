@@ -1,5 +1,6 @@
 """examples/cpu-1p1d/run.sh as a user runs it: a prefill, a decode and the proxy on this host,
-one completion handed off through the proxy, every process gone afterwards."""
+a long prompt handed off through the proxy and a short one
+served by decode alone, every process gone afterwards."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def test_cpu_1p1d_example_runs():
                           env={**os.environ, **ports, "LOG_DIR": str(logs)},
                           capture_output=True, text=True, timeout=1100)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "handoff: pd" in done.stdout, done.stdout[-3000:]
+    assert "handoff: pd\n" in done.stdout, done.stdout[-3000:]
+    assert "handoff: decode_only:short_prompt\n" in done.stdout, done.stdout[-3000:]
     # Nothing it started still listens.
     for port in ports.values():
         probe = subprocess.run(["bash", "-c", f"exec 3<>/dev/tcp/127.0.0.1/{port}"],

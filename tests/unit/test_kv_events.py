@@ -226,6 +226,8 @@ def test_a_gap_is_replayed_including_a_lost_eviction() -> None:
             async with watching((URL, src)) as index:
                 pub.publish(v_stored([1, 2, 3], None, T[:12]))
                 await until(lambda: index.cached_tokens(T[:13]) == {URL: 12}, "first blocks")
+                # (the first sync's replay happens only if the handshake came within its bound)
+                before = stats(index).replays
                 relay.drop_next(2)
                 pub.publish(v_removed(3))  # lost on the way: the index would keep block 3
                 pub.publish(v_stored([5], None, T[60:64]))  # lost too
@@ -233,7 +235,7 @@ def test_a_gap_is_replayed_including_a_lost_eviction() -> None:
                 pub.publish(v_stored([6], None, T[70:74]))  # arrives: seq 3 after 0
                 await until(lambda: stats(index).batches == 4, "the replay")
                 s = stats(index)
-                assert s.gaps == 1 and s.replays == 2 and s.drops == 0
+                assert s.gaps == 1 and s.replays == before + 1 and s.drops == 0
                 assert index.cached_tokens(T[:13]) == {URL: 8}  # the lost eviction applied
                 assert index.cached_tokens(T[60:65]) == {URL: 4}
                 assert index.cached_tokens(T[70:75]) == {URL: 4}

@@ -137,8 +137,14 @@ def run(args: argparse.Namespace) -> int:
 
     from kvdisagg.bench import plots, report, workload
     from kvdisagg.bench.client import ClientConfig
-    from kvdisagg.bench.records import (BenchResult, RequestRecord, RunSummary, Slo, SweepPoint,
-                                        SweepResult)
+    from kvdisagg.bench.records import (
+        BenchResult,
+        RequestRecord,
+        RunSummary,
+        Slo,
+        SweepPoint,
+        SweepResult,
+    )
     from kvdisagg.bench.runner import Endpoint, run_once
     from kvdisagg.bench.sweep import bisect_max_rate, max_rate_from_points
 

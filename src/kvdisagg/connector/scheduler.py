@@ -39,8 +39,13 @@ import msgspec
 
 from kvdisagg.config import ConnectorConfig
 from kvdisagg.connector.leases import Held, LeaseKeeper
-from kvdisagg.connector.metadata import (DisaggMetadata, DisaggWorkerMeta, LoadSpec, SendSpec,
-                                         WorkerHandshake)
+from kvdisagg.connector.metadata import (
+    DisaggMetadata,
+    DisaggWorkerMeta,
+    LoadSpec,
+    SendSpec,
+    WorkerHandshake,
+)
 from kvdisagg.connector.stats import DisaggStats
 from kvdisagg.protocol import RemotePrefill, handoff_params
 from kvdisagg.sharding import Shape, check, plan

@@ -19,8 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from kvdisagg.config import ConnectorConfig
-from kvdisagg.connector.metadata import (DisaggMetadata, DisaggWorkerMeta, LoadSpec,
-                                         WorkerHandshake)
+from kvdisagg.connector.metadata import DisaggMetadata, DisaggWorkerMeta, LoadSpec, WorkerHandshake
 from kvdisagg.connector.stats import DisaggStats
 from kvdisagg.errors import ChecksumMismatch, KvDisaggError
 from kvdisagg.layout import LayerRegion, geometry_of, layer_regions, stage_into, with_arena

@@ -26,7 +26,12 @@ from kvdisagg.errors import ConfigError
 from kvdisagg.planner.latency import LatencyModel
 from kvdisagg.planner.placement import Colocated, Placement
 from kvdisagg.planner.profile import Profile
-from kvdisagg.planner.simulator import SimInstance, Timeline, simulate_colocated, simulate_disaggregated
+from kvdisagg.planner.simulator import (
+    SimInstance,
+    Timeline,
+    simulate_colocated,
+    simulate_disaggregated,
+)
 from kvdisagg.planner.workload import Requests, TraceSeed
 
 Definition = Literal["distserve", "client"]

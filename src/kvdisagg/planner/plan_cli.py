@@ -34,12 +34,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import shlex
+
     import msgspec
 
     from kvdisagg.errors import ConfigError
     from kvdisagg.planner.cli_common import load_common, resolve_profile
-    import shlex
-
     from kvdisagg.planner.commands import Launch, launch_commands, printed
     from kvdisagg.planner.search import plan
 

@@ -31,7 +31,13 @@ def run(args: argparse.Namespace) -> int:
 
     from kvdisagg.errors import ConfigError
     from kvdisagg.planner.cli_common import load_common
-    from kvdisagg.planner.goodput import attainment, goodput, latencies, simulate, tightest_slo_scale
+    from kvdisagg.planner.goodput import (
+        attainment,
+        goodput,
+        latencies,
+        simulate,
+        tightest_slo_scale,
+    )
     from kvdisagg.planner.placement import Colocated, Disaggregated
 
     try:

@@ -26,8 +26,8 @@ from aiohttp import web
 
 from kvdisagg.errors import ConfigError
 from kvdisagg.proxy.config import InstanceSpec, ProxyConfig
-from kvdisagg.proxy.responses import error_response
 from kvdisagg.proxy.registry import Instance, Registry
+from kvdisagg.proxy.responses import error_response
 from kvdisagg.proxy.types import Role
 
 _encode = msgspec.json.Encoder().encode

@@ -183,9 +183,7 @@ async def serve(cfg: ProxyConfig) -> int:
     await stop.wait()
     app[SERVING].shutting_down = True
     log.info("Shutting down: no longer accepting connections.")
-    server = getattr(site, "_server", None)
-    if server is not None:
-        server.close()
+    await site.stop()  # the listener closes; connections being served stay
     serving = app[SERVING]
     log.info("Waiting for %d in-flight requests (at most %.0fs; signal again to force quit).",
              app[METRICS].in_flight, cfg.drain_timeout_s)

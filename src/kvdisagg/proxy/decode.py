@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import msgspec
 from aiohttp import web
 
+from kvdisagg.compat._aiohttp import HeadersWithFirstChunk
 from kvdisagg.errors import UpstreamError, UpstreamTimeout
 from kvdisagg.proxy import body as bodies
-from kvdisagg.proxy.responses import error_event, error_response
 from kvdisagg.proxy.legs import (
     RETRYABLE_STATUS,
     FailKind,
@@ -42,6 +42,7 @@ from kvdisagg.proxy.migrate import Tap, continuation, wants_token_ids
 from kvdisagg.proxy.policies import Selection, Verdict
 from kvdisagg.proxy.prefill import Prefilled, prefill
 from kvdisagg.proxy.registry import Instance, Outcome
+from kvdisagg.proxy.responses import error_event, error_response
 from kvdisagg.proxy.types import Admission, Side
 from kvdisagg.proxy.upstream import Response
 from kvdisagg.tracing import event, traceparent_of
@@ -250,7 +251,7 @@ async def relay_stream(s: Serving, request: web.Request, ctx: RequestCtx,
     times. Only ``decode_total_s`` bounds a leg (a stream may take as long as generation),
     and ``decode_idle_s`` the silence between chunks."""
     m = s.metrics
-    out = _Stream(status=opened.resp.status,
+    out = HeadersWithFirstChunk(status=opened.resp.status,
                   headers=out_headers(ctx, opened, opened.pre.header))
     out.headers["Cache-Control"] = "no-cache"
     chunked = request.version >= (1, 1)
@@ -388,8 +389,3 @@ async def _migrate(s: Serving, ctx: RequestCtx, leg: Opened, tap: Tap | None,
     return opened, Tap(ctx.body.chat, tap.strip, resumed=tap), nxt
 
 
-class _Stream(web.StreamResponse):
-    """Headers go out with the first chunk (one write, not two); aiohttp's ``web.Response``
-    does the same for whole bodies. The relay only prepares once it holds that chunk."""
-
-    _send_headers_immediately = False

@@ -24,9 +24,9 @@ from aiohttp import web
 from kvdisagg.errors import UpstreamError, UpstreamTimeout
 from kvdisagg.proxy import body as bodies
 from kvdisagg.proxy.decode import Opened, out_headers
-from kvdisagg.proxy.responses import error_event
 from kvdisagg.proxy.legs import FailKind, kind_of, outcome_of
 from kvdisagg.proxy.registry import Outcome
+from kvdisagg.proxy.responses import error_event
 
 if TYPE_CHECKING:
     from kvdisagg.proxy.serving import RequestCtx, Serving

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from kvdisagg.errors import UpstreamError
-from kvdisagg.proxy.responses import error_event, error_response
 from kvdisagg.proxy.legs import LegFailure, LegScope, kind_of, outcome_of
 from kvdisagg.proxy.policies import RouteRequest
 from kvdisagg.proxy.registry import Instance, Outcome
+from kvdisagg.proxy.responses import error_event, error_response
 from kvdisagg.proxy.types import Side
 
 if TYPE_CHECKING:

@@ -24,7 +24,6 @@ from aiohttp import web
 
 from kvdisagg.errors import UpstreamError
 from kvdisagg.proxy import body as bodies
-from kvdisagg.proxy.responses import error_body, error_response
 from kvdisagg.proxy.legs import (
     RETRYABLE_STATUS,
     FailKind,
@@ -36,6 +35,7 @@ from kvdisagg.proxy.legs import (
 )
 from kvdisagg.proxy.policies import Verdict
 from kvdisagg.proxy.registry import Instance, Outcome
+from kvdisagg.proxy.responses import error_body, error_response
 from kvdisagg.proxy.types import Admission, Side
 from kvdisagg.tracing import traceparent_of
 

@@ -27,12 +27,12 @@ from kvdisagg.proxy import body as bodies
 from kvdisagg.proxy.config import ProxyConfig
 from kvdisagg.proxy.decide import CacheView, Decider, Route
 from kvdisagg.proxy.decode import Opened, finish_body, open_decode, relay_stream
-from kvdisagg.proxy.responses import error_response
 from kvdisagg.proxy.metrics import Metrics
 from kvdisagg.proxy.policies import Policy
 from kvdisagg.proxy.prefill import Prefilled, prefill
 from kvdisagg.proxy.prefix_index import BlockExtra
 from kvdisagg.proxy.registry import Instance, Registry
+from kvdisagg.proxy.responses import error_response
 from kvdisagg.proxy.tokens import RequestTokenizer
 from kvdisagg.proxy.types import Side
 from kvdisagg.tracing import Tracer, end, traceparent_of, valid_traceparent

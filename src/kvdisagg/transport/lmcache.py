@@ -41,15 +41,32 @@ from typing import Any, ClassVar, NamedTuple, Sequence
 import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat
-from lmcache.v1.protocol import (ClientCommand, ClientMetaMessage, ServerMetaMessage,
-                                 ServerReturnCode)
+from lmcache.v1.protocol import (
+    ClientCommand,
+    ClientMetaMessage,
+    ServerMetaMessage,
+    ServerReturnCode,
+)
 
 from kvdisagg.config import LMCACHE_URL, ConnectorConfig
-from kvdisagg.errors import (ChecksumMismatch, ConfigError, PeerUnreachable, TransferFailed,
-                             TransferTimeout, TransportError)
+from kvdisagg.errors import (
+    ChecksumMismatch,
+    ConfigError,
+    PeerUnreachable,
+    TransferFailed,
+    TransferTimeout,
+    TransportError,
+)
 from kvdisagg.integrity import TRAILER_BYTES, digest_views, pack_trailer, unpack_trailer
-from kvdisagg.layout import (KvGeometry, LayerRegion, check_blocks, copy_runs, span_tensor,
-                             spans, whole_slices)
+from kvdisagg.layout import (
+    KvGeometry,
+    LayerRegion,
+    check_blocks,
+    copy_runs,
+    span_tensor,
+    spans,
+    whole_slices,
+)
 from kvdisagg.protocol import recv_into_exact, recv_into_views, send_views
 from kvdisagg.sharding import Shape
 from kvdisagg.transport.base import Fetch, Offer, PullTiming

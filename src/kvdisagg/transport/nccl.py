@@ -39,10 +39,10 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from kvdisagg.compat._torch import pair_group
 from kvdisagg.errors import IncompatiblePeerError, TransferFailed, TransferTimeout
 from kvdisagg.layout import CopyRun, LayerRegion, Slice
 from kvdisagg.transport.pull import Deadline, PullPlan, PullTransport
-
 
 MESSAGE_BYTES = {"gloo": 4 << 20, "nccl": 32 << 20}
 """Most bytes per message. Gloo moves 2-8 MiB messages twice as fast on loopback as one of
@@ -152,14 +152,7 @@ class NcclTransport(PullTransport):
         """``hostname``: this end's address of the side channel, i.e. the interface that
         reaches the peer (gloo binds it; vLLM's own groups are never involved)."""
         try:
-            if self.backend == "nccl":
-                opts = dist.ProcessGroupNCCL.Options()
-                opts._timeout = _timedelta(timeout_s)
-                return dist.ProcessGroupNCCL(store, rank, 2, opts)
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = _timedelta(timeout_s)
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
-            return dist.ProcessGroupGloo(store, rank, 2, opts)
+            return pair_group(store, rank, self.backend, timeout_s, hostname)
         except RuntimeError as exc:
             raise TransferFailed(f"nccl: forming the {self.backend} group failed: {exc}"
                                  ) from None

@@ -56,13 +56,39 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, NamedTuple, Sequence
 
 from kvdisagg.config import ConnectorConfig
-from kvdisagg.errors import (ChecksumMismatch, IncompatiblePeerError, PeerUnreachable,
-                             TransferFailed, TransferTimeout, TransportError)
+from kvdisagg.errors import (
+    ChecksumMismatch,
+    IncompatiblePeerError,
+    PeerUnreachable,
+    TransferFailed,
+    TransferTimeout,
+    TransportError,
+)
 from kvdisagg.integrity import ALGORITHMS, Digester
-from kvdisagg.layout import (CopyRun, KvGeometry, LayerRegion, Slice, check_blocks, copy_runs,
-                             pull_slices, run_bytes, whole_slices)
-from kvdisagg.protocol import (PROTOCOL_VERSION, Checksum, Done, Hello, Read, Renew, Reply, Wait,
-                               encode_frame, recv_frame, send_frame)
+from kvdisagg.layout import (
+    CopyRun,
+    KvGeometry,
+    LayerRegion,
+    Slice,
+    check_blocks,
+    copy_runs,
+    pull_slices,
+    run_bytes,
+    whole_slices,
+)
+from kvdisagg.protocol import (
+    PROTOCOL_VERSION,
+    Checksum,
+    Done,
+    Hello,
+    Read,
+    Renew,
+    Reply,
+    Wait,
+    encode_frame,
+    recv_frame,
+    send_frame,
+)
 from kvdisagg.threads import start_thread
 from kvdisagg.tracing import Tracer, now_ns
 from kvdisagg.transport.base import Fetch, Offer, PullTiming
