@@ -162,7 +162,9 @@ class DisaggWorker:
         try:
             for part in parts:
                 src = self.rank if part is None else part.src
-                timings.append(PullTiming(now_ns()))
+                # Phases back to back: each part's clock starts where the last phase ended.
+                begin = timings[-1].marks[-1][1] if timings and timings[-1].marks else start_ns
+                timings.append(PullTiming(begin))
                 nbytes += self.transport.fetch(Fetch(
                     handoff_id=load.handoff_id, token=load.token, host=load.host,
                     port=load.ports[src] if src < len(load.ports) else 0,
