@@ -35,8 +35,9 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple, Sequence
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from lmcache.utils import CacheEngineKey
@@ -69,6 +70,7 @@ from kvdisagg.layout import (
 )
 from kvdisagg.protocol import recv_into_exact, recv_into_views, send_views
 from kvdisagg.sharding import Shape
+from kvdisagg.tracing import Tracer
 from kvdisagg.transport.base import Fetch, Offer, PullTiming
 from kvdisagg.transport.pull import Deadline
 from kvdisagg.transport.tcp import host_bytes
@@ -265,6 +267,15 @@ class LMCacheTransport:
         self._store_thread: threading.Thread | None = None
 
     # ---- Transport ------------------------------------------------------------------------
+    def instrument(self, tracer: Tracer, observe: Callable[[str, float], None]) -> None:
+        """Nothing of prefill's is served on LMCache's side: no spans or phases of its own."""
+
+    def step(self, running: bool) -> None:
+        """Stores are not tied to engine steps."""
+
+    def expired_unread(self) -> int:
+        return 0  # stored chunks outlive the handoff; the store evicts them by its own rules
+
     def register(self, regions: Sequence[LayerRegion], *, kv_layout: str, block_size: int,
                  is_producer: bool, geometry: KvGeometry | None = None,
                  rank: int | None = None, shape: Shape | None = None) -> int:
