@@ -14,7 +14,7 @@ COMMANDS: dict[str, str] = {
     "proxy": "kvdisagg.proxy.cli",
     "admin": "kvdisagg.proxy.admin_cli",
     "demo": "kvdisagg.demo",
-    "tiny-model": "kvdisagg.testing.tiny_model",
+    "tiny-model": "kvdisagg.local.tiny_model",
     "bench": "kvdisagg.bench.cli",
     "profile": "kvdisagg.bench.profile_cli",
     "plan": "kvdisagg.planner.plan_cli",

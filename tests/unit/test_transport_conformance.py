@@ -18,7 +18,7 @@ import torch
 from kvdisagg.config import ConnectorConfig
 from kvdisagg.errors import ChecksumMismatch, IncompatiblePeerError, TransportError
 from kvdisagg.sharding import Shape, plan
-from kvdisagg.testing.servers import LMCacheServer, free_port
+from kvdisagg.local.servers import LMCacheServer, free_port
 from tests.support.transport_peer import (BLOCK_SIZE, KV_LAYOUT, PeerProcess, geometry,
                                           kv_caches, model_kv, open_transport, shard_caches)
 from kvdisagg.transport import Fetch, PullTiming
