@@ -120,9 +120,6 @@ if __name__ == "__main__":
     sys.exit(run_demo())
 
 
-HELP = "P/D serving on a generated tiny model, with a report"
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--log-dir", default="out/demo")

@@ -31,7 +31,6 @@ import msgspec
 if TYPE_CHECKING:
     from kvdisagg.config import ConnectorConfig
 
-HELP = "preflight checks: vLLM and the plugin, connector config, transport, side channel, fleet"
 
 Status = Literal["ok", "warn", "fail"]
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")

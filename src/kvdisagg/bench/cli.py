@@ -16,8 +16,6 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-HELP = "measure TTFT/TPOT, SLO attainment and goodput of OpenAI endpoints under open-loop load"
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("endpoints")
