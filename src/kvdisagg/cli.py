@@ -24,7 +24,9 @@ COMMANDS: dict[str, str] = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvdisagg", description="Prefill/decode disaggregated serving for vLLM.")
+    parser = argparse.ArgumentParser(
+        prog="kvdisagg", description="Prefill/decode disaggregated serving for vLLM."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     modules = {}
     for name, module_path in COMMANDS.items():

@@ -25,8 +25,9 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import platform
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import msgspec
 

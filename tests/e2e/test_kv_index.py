@@ -96,7 +96,9 @@ async def setup(server: VllmServer) -> tuple[CacheIndex, RequestTokenizer, Pool]
     return index, tok, Pool(server.base_url)
 
 
-async def same_ids(tok: RequestTokenizer, pool: Pool, body: dict[str, Any], chat: bool) -> list[int]:
+async def same_ids(
+    tok: RequestTokenizer, pool: Pool, body: dict[str, Any], chat: bool
+) -> list[int]:
     """The local ids of ``body``, checked against vLLM's /tokenize."""
     local = tok.local(body, chat)
     assert local is not None and len(local) == 1

@@ -7,8 +7,9 @@ import argparse
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import dns.flags
 import dns.message
@@ -91,7 +92,7 @@ class DnsServer(asyncio.DatagramProtocol):
     @property
     def address(self) -> str:
         assert self.transport is not None
-        return "127.0.0.1:%d" % self.transport.get_extra_info("sockname")[1]
+        return f"127.0.0.1:{self.transport.get_extra_info('sockname')[1]:d}"
 
 
 @contextlib.asynccontextmanager

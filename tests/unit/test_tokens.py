@@ -155,7 +155,9 @@ def test_a_processor_model_leaves_chat_to_tokenize(tmp_path: Path) -> None:
     asyncio.run(t.start())
     assert t.local({"messages": [{"role": "user", "content": "x"}]}, True) is None
     assert t.local({"prompt": "x"}, False) is not None
-    t2 = RequestTokenizer(TokenizerConfig(model=str(model), chat_template="{{ messages[0].content }}"))
+    t2 = RequestTokenizer(
+        TokenizerConfig(model=str(model), chat_template="{{ messages[0].content }}")
+    )
     asyncio.run(t2.start())
     assert t2.local({"messages": [{"role": "user", "content": "hello"}]}, True) == [
         t2._local.tok("hello", add_special_tokens=False)["input_ids"]]  # type: ignore[union-attr]

@@ -14,10 +14,16 @@ import torch
 
 from kvdisagg.config import ConnectorConfig
 from kvdisagg.errors import TransferFailed
-from kvdisagg.layout import (LayerRegion, copy_runs, layer_regions, pull_slices, whole_slices,
-                             with_arena)
-from kvdisagg.transport.mooncake import MemoryInfo, MooncakeTransport, _address
+from kvdisagg.layout import (
+    LayerRegion,
+    copy_runs,
+    layer_regions,
+    pull_slices,
+    whole_slices,
+    with_arena,
+)
 from kvdisagg.transport import nccl
+from kvdisagg.transport.mooncake import MemoryInfo, MooncakeTransport, _address
 from kvdisagg.transport.nccl import NcclTransport, plan_messages, spans
 from kvdisagg.transport.pull import Deadline, PullPlan
 from kvdisagg.transport.tcp import TcpTransport

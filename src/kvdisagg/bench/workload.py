@@ -13,8 +13,9 @@ import csv
 import json
 import math
 import random
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal, NamedTuple, Sequence
+from typing import Literal, NamedTuple
 
 Arrival = Literal["poisson", "constant"]
 

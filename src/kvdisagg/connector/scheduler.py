@@ -33,7 +33,8 @@ import dataclasses
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 

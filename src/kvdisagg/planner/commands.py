@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 import shlex
-from typing import Literal, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Literal, NamedTuple
 
 from kvdisagg.errors import ConfigError
 from kvdisagg.planner.placement import Colocated, Disaggregated, Placement

@@ -19,7 +19,7 @@ Bodies are msgspec Structs (unknown keys refused). With a key (``admin.key_file`
 from __future__ import annotations
 
 import hmac
-from typing import Callable
+from collections.abc import Callable
 
 import msgspec
 from aiohttp import web

@@ -212,7 +212,9 @@ def run_proxy(prefill: list[str], decode: list[str], host: str = "127.0.0.1", po
 
 
 def run(cfg: ProxyConfig) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency off Windows

@@ -192,8 +192,9 @@ async def _merge_streams(s: Serving, request: web.Request, ctx: RequestCtx,
         except UpstreamError as exc:
             o.leg.fail(kind_of(exc), outcome_of(exc))
             log.warning("request %s: decode %s failed mid-stream: %s", ctx.rid, o.inst.url, exc)
-            raise _StreamFailed(error_event(504 if isinstance(exc, UpstreamTimeout) else 502,
-                                            f"decode {o.inst.url} failed mid-stream: {exc}"))
+            raise _StreamFailed(
+                error_event(504 if isinstance(exc, UpstreamTimeout) else 502,
+                            f"decode {o.inst.url} failed mid-stream: {exc}")) from exc
         except _StreamFailed:
             o.resp.close()
             o.leg.fail(FailKind.ERROR_EVENT, Outcome.BROKEN)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from kvdisagg.proxy.config import SloConfig
 from kvdisagg.proxy.registry import Registry

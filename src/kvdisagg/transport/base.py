@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import importlib
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Protocol, Sequence
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from kvdisagg.errors import ConfigError
 

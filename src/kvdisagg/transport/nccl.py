@@ -13,7 +13,8 @@ messages of two pulls never interleave.
 A pull is a few gathered messages, not one message per CopyRun: both sides cut the same CopyRun
 list into the same Messages (plan_messages: each layer's block rows in run order, consecutive
 layers packed together, capped at MESSAGE_BYTES). A row is the pull's Slice of a block: the
-whole page, or the window of the heads read when the two sides' TP differ (same size on both). Prefill gathers a message's rows into one
+whole page, or the window of the heads read when the two sides' TP differ (same size on both).
+Prefill gathers a message's rows into one
 buffer on the KV's device and sends it; decode receives into one buffer and scatters the rows
 into its blocks (on CUDA ``index_select`` / ``index_copy_`` per layer; on CPU a ``memmove`` per
 span, see _host_copy). A side whose rows of a message are one range of consecutive blocks (decode's
@@ -33,7 +34,8 @@ import datetime
 import secrets
 import socket
 from collections import deque
-from typing import Any, ClassVar, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, ClassVar, NamedTuple
 
 import msgspec
 import torch

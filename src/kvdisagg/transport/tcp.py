@@ -9,7 +9,8 @@ each block. CUDA KV goes through a host copy per span (use nccl or mooncake betw
 from __future__ import annotations
 
 import socket
-from typing import Any, ClassVar, Sequence
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 from kvdisagg.layout import LayerRegion, span_tensor, spans
 from kvdisagg.protocol import recv_into_views, send_views
