@@ -154,7 +154,7 @@ class CopyRun(NamedTuple):
     layer: int
     src: int
     dst: int
-    count: int
+    count: int  # type: ignore[assignment]  # a field named like tuple.count
 
 
 def copy_runs(num_layers: int, src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[CopyRun]:

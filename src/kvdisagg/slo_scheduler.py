@@ -170,6 +170,8 @@ class SloScheduler(Scheduler):
     scheduling is on (see the module's docstring).
     """
 
+    max_num_active_reqs: int  # vLLM's Scheduler sets it; decode_batch_cap may lower it
+
     def __new__(cls, *args: Any, **kwargs: Any) -> SloScheduler:
         if cls is SloScheduler and _async_scheduling(args, kwargs):
             cls = AsyncSloScheduler

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import sys
@@ -237,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
         if args.sweep:
             lo_r, hi_r = _range(args.sweep, "--sweep")
             for ep in eps:
-                best, probes = bisect_max_rate(lambda r, ep=ep: attainment(ep, r), lo_r, hi_r,
+                best, probes = bisect_max_rate(functools.partial(attainment, ep), lo_r, hi_r,
                                                args.attainment, args.sweep_steps)
                 k = ep.gpus if args.per_gpu_rate else 1  # probes -> endpoint rates
                 sweeps.append(_sweep(ep, best.rate * k if best.rate is not None else None,

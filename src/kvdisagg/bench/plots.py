@@ -10,7 +10,7 @@ from pathlib import Path
 from kvdisagg.bench.records import RequestRecord, RunSummary, Slo
 
 
-def _plt():  # type: ignore[no-untyped-def]
+def _plt():
     import matplotlib
 
     matplotlib.use("Agg")

@@ -24,7 +24,7 @@ _WORDS = ("the cache block key value token prefill decode model layer attention 
 
 
 class RequestSpec(NamedTuple):
-    index: int
+    index: int  # type: ignore[assignment]  # a field named like tuple.index
     at_s: float  # arrival, relative to the run start
     prompt_len: int
     output_len: int

@@ -233,6 +233,7 @@ class DisaggScheduler:
         """Leading prompt tokens the store holds, short of the whole prompt (vLLM must compute
         at least the last token to sample)."""
         if request.request_id not in self._stored:
+            assert self.prefix_lookup is not None  # the caller checked
             stored = self.prefix_lookup(request.prompt_token_ids, self.kv_layout, self.shape)
             chunk = self.config.lmcache_chunk_tokens
             while stored >= request.num_prompt_tokens:
@@ -359,6 +360,7 @@ class DisaggScheduler:
             return False, None
         token = secrets.token_urlsafe(16)
         tokens = tuple(request.prompt_token_ids) if self.keyed_by_tokens else ()
+        stage_from: tuple[int, ...]
         offered, stage_from = tuple(block_ids), ()
         if len(block_ids) <= len(self._free_slots):
             offered, stage_from = tuple(self._free_slots[:len(block_ids)]), tuple(block_ids)

@@ -49,7 +49,8 @@ class DisaggWorker:
         self.tracer = Tracer.otlp(config.otlp_traces_endpoint,
                                   f"kvdisagg-{'prefill' if self.is_producer else 'decode'}")
         if hasattr(self.transport, "observe"):  # pull transports time prefill's serving
-            self.transport.tracer, self.transport.observe = self.tracer, self._observe
+            self.transport.tracer, self.transport.observe = (  # type: ignore[attr-defined]
+                self.tracer, self._observe)
         self.kv_layout = ""
         self.port = 0
         self.regions: list[LayerRegion] = []

@@ -30,7 +30,7 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 
@@ -289,8 +289,8 @@ class _Decode:
         if groups:
             groups.sort(key=lambda g: -g.batch)
             g = groups[0]
-            for other in groups[1:]:
-                g.absorb(other)
+            for rest in groups[1:]:
+                g.absorb(rest)
             self.ready = []
         else:
             g = _Group()
@@ -344,7 +344,7 @@ class _Decode:
             if g.batch > 0:
                 self.ready.append(g)
         elif kind == _XFER_DONE:
-            i, src = arg  # type: ignore[misc]
+            i, src = cast("tuple[int, _Prefill | None]", arg)
             self._arrived(t, i, src)
         else:
             self.wake = False

@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 from kvdisagg.bench.scrape import parse, total
 
@@ -67,7 +68,7 @@ class VllmServer:
         self.extra_env = dict(env or {})
         self.served_model_name = served_model_name
         self.proc: subprocess.Popen | None = None
-        self._log_file = None
+        self._log_file: BinaryIO | None = None
 
     @property
     def base_url(self) -> str:

@@ -402,6 +402,7 @@ class LMCacheTransport:
                 parts.extend(discard(page) for _ in blocks)
                 continue
             host, mine = self._host[i], self.regions[i]
+            assert host is not None  # called only when every layer's pages are host memory
             for b in blocks:
                 if b not in dst:
                     parts.append(discard(page))

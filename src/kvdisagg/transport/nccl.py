@@ -34,7 +34,7 @@ import datetime
 import secrets
 import socket
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import msgspec
@@ -311,7 +311,7 @@ def _host_copy(region: LayerRegion, ids: Sequence[int], buf: int, into_kv: bool,
         else:
             kv = region.stage.data_ptr() + (first - n) * page
         if nbytes == page:
-            pieces = ((kv, count * page),)
+            pieces: Iterable[tuple[int, int]] = ((kv, count * page),)
         else:
             pieces = ((kv + k * page + offset, nbytes) for k in range(count))
         for at, length in pieces:
