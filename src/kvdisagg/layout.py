@@ -25,8 +25,9 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import platform
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -153,7 +154,7 @@ class CopyRun(NamedTuple):
     layer: int
     src: int
     dst: int
-    count: int
+    count: int  # type: ignore[assignment]  # a field named like tuple.count
 
 
 def copy_runs(num_layers: int, src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[CopyRun]:

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import sys
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ def _cpu_pp_receive_buffer() -> None:
 
     def compile_or_warm_up_model(self: object, *args: object, **kwargs: object) -> object:
         out = original(self, *args, **kwargs)
-        runner = getattr(self, "model_runner", None)
+        runner: Any = getattr(self, "model_runner", None)
         try:
             from vllm.distributed.parallel_state import get_pp_group
 
@@ -133,7 +134,7 @@ def _cpu_pp_receive_buffer() -> None:
         return out
 
     compile_or_warm_up_model._kvdisagg = True  # type: ignore[attr-defined]
-    CPUWorker.compile_or_warm_up_model = compile_or_warm_up_model  # type: ignore[method-assign]
+    CPUWorker.compile_or_warm_up_model = compile_or_warm_up_model
 
 
 def _passive_omp_on_shared_cores(environ: dict[str, str] | os._Environ, argv: list[str]) -> bool:

@@ -26,7 +26,8 @@ from __future__ import annotations
 import socket
 import struct
 import time
-from typing import Annotated, Any, Callable
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import msgspec
 

@@ -144,7 +144,7 @@ def plan(prefill: Shape, decode: Shape, kv_heads: int,
             for tp_p, src_head, dst_head, count in _head_groups(prefill, decode, tp_d, kv_heads):
                 for pp_p in range(prefill.pp):
                     held = prefill.layers(pp_p, num_layers)
-                    layers = tuple(l for l in wanted if l in held)
+                    layers = tuple(layer for layer in wanted if layer in held)
                     if layers:
                         mine[prefill.rank(pp_p, tp_p)] = (layers, src_head, dst_head, count)
     readers = [0] * prefill.world
@@ -160,10 +160,10 @@ def plan(prefill: Shape, decode: Shape, kv_heads: int,
     width = len(prefill.heads(0, kv_heads))
     out = []
     for d in range(decode.world):
-        mine = [Part(p, layers, src_head, dst_head, count, width, readers[p])
-                for p, (layers, src_head, dst_head, count) in sorted(reads[d].items())]
-        mine += [Part(p, (), 0, 0, 0, width, 1) for p in releases.get(d, ())]
-        out.append(tuple(mine))
+        parts = [Part(p, layers, src_head, dst_head, count, width, readers[p])
+                 for p, (layers, src_head, dst_head, count) in sorted(reads[d].items())]
+        parts += [Part(p, (), 0, 0, 0, width, 1) for p in releases.get(d, ())]
+        out.append(tuple(parts))
     return tuple(out)
 
 

@@ -81,8 +81,9 @@ class SchedulerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     first), so a long-deadline request is never starved by a stream of short ones."""
     max_batched_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
     """Per-step token budget (vLLM's ``max_num_scheduled_tokens``); set it to the saturation
-    point of the prefill curve measured by ``kvdisagg profile`` (docs/scheduler.md). At most vLLM's ``--max-num-batched-tokens``, which sizes
-    the model runner's buffers. None: vLLM's budget."""
+    point of the prefill curve measured by ``kvdisagg profile`` (docs/scheduler.md). At most
+    vLLM's ``--max-num-batched-tokens``, which sizes the model runner's buffers. None: vLLM's
+    budget."""
     held_kv_share: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5
     """Prefill backpressure: while the KV blocks held by finished requests whose handoff decode
     has not pulled yet exceed this share of the KV cache, no new prompt is admitted (requests
@@ -168,6 +169,8 @@ class SloScheduler(Scheduler):
     Built as ``SloScheduler(...)``, it is an ``AsyncSloScheduler`` when the config's async
     scheduling is on (see the module's docstring).
     """
+
+    max_num_active_reqs: int  # vLLM's Scheduler sets it; decode_batch_cap may lower it
 
     def __new__(cls, *args: Any, **kwargs: Any) -> SloScheduler:
         if cls is SloScheduler and _async_scheduling(args, kwargs):

@@ -22,7 +22,8 @@ from __future__ import annotations
 import logging
 import re
 import time
-from typing import Annotated, Any, Mapping
+from collections.abc import Mapping
+from typing import Annotated, Any
 
 import msgspec
 

@@ -172,9 +172,9 @@ def test_profile_fits_live_instance_and_planner_accepts_it(bench_fleet, model: P
               "--decode-batch", "1", "4", "8", "--decode-ctx", "64", "256",
               "--decode-tokens", "16", "--repeats", "1", timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    from kvdisagg.planner.profile import LatencySample, load_profile
-
     import msgspec
+
+    from kvdisagg.planner.profile import LatencySample, load_profile
 
     samples = [msgspec.json.decode(line, type=LatencySample)
                for line in samples_path.read_bytes().splitlines()]

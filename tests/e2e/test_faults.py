@@ -19,8 +19,7 @@ import pytest
 
 from kvdisagg.local.fleet import Fleet
 
-from .conftest import (LOG_DIR, completion_tokens, metric, post, prompt_ids,
-                       wait_handoffs_freed)
+from .conftest import LOG_DIR, completion_tokens, metric, post, prompt_ids, wait_handoffs_freed
 
 pytestmark = pytest.mark.e2e
 

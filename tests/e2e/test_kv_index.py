@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 
-from kvdisagg.proxy.cache_index import CacheIndex, CacheIndexConfig, IndexState
-from kvdisagg.proxy.tokens import RequestTokenizer, TokenizerConfig, TokenizerMode
-from kvdisagg.proxy.upstream import Pool
 from kvdisagg.local.fleet import kv_events_args
 from kvdisagg.local.servers import VllmServer
 from kvdisagg.local.tiny_model import _WORDS
+from kvdisagg.proxy.cache_index import CacheIndex, CacheIndexConfig, IndexState
+from kvdisagg.proxy.tokens import RequestTokenizer, TokenizerConfig, TokenizerMode
+from kvdisagg.proxy.upstream import Pool
 from tests.e2e.conftest import BLOCK, LOG_DIR, metric, post
 
 pytestmark = pytest.mark.e2e
@@ -96,7 +96,9 @@ async def setup(server: VllmServer) -> tuple[CacheIndex, RequestTokenizer, Pool]
     return index, tok, Pool(server.base_url)
 
 
-async def same_ids(tok: RequestTokenizer, pool: Pool, body: dict[str, Any], chat: bool) -> list[int]:
+async def same_ids(
+    tok: RequestTokenizer, pool: Pool, body: dict[str, Any], chat: bool
+) -> list[int]:
     """The local ids of ``body``, checked against vLLM's /tokenize."""
     local = tok.local(body, chat)
     assert local is not None and len(local) == 1

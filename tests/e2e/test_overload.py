@@ -24,8 +24,15 @@ import pytest
 
 from kvdisagg.local.fleet import Fleet
 
-from .conftest import (LOG_DIR, completion_tokens, metric, post, prompt_ids,
-                       wait_handoffs_freed, wait_kv_usage_zero)
+from .conftest import (
+    LOG_DIR,
+    completion_tokens,
+    metric,
+    post,
+    prompt_ids,
+    wait_handoffs_freed,
+    wait_kv_usage_zero,
+)
 
 pytestmark = pytest.mark.e2e
 

@@ -10,8 +10,18 @@ import pytest
 
 from kvdisagg.local.servers import free_port
 
-from .conftest import (LEASE_S, TIMEOUT_S, blocks, metric, poke, post, post_stream, prompt_ids,
-                       wait_handoffs_freed, wait_kv_usage_zero)
+from .conftest import (
+    LEASE_S,
+    TIMEOUT_S,
+    blocks,
+    metric,
+    poke,
+    post,
+    post_stream,
+    prompt_ids,
+    wait_handoffs_freed,
+    wait_kv_usage_zero,
+)
 
 pytestmark = pytest.mark.e2e
 GEN = {"model": "tiny", "temperature": 0, "max_tokens": 12, "ignore_eos": True,
@@ -168,7 +178,10 @@ def _handoff(fleet, prompt):
 BAD = {
     "missing fields": lambda p: {"do_remote_prefill": True},
     "wrong types": lambda p: {**p, "remote_block_ids": "all"},
-    "block ids out of range": lambda p: {**p, "remote_block_ids": [10**6] * len(p["remote_block_ids"])},
+    "block ids out of range": lambda p: {
+        **p,
+        "remote_block_ids": [10**6] * len(p["remote_block_ids"]),
+    },
     "unknown engine": lambda p: {**p, "remote_request_id": "no-such-request"},
     "wrong token": lambda p: {**p, "kvdisagg": {**p["kvdisagg"], "token": "forged"}},
     "incompatible kv_layout": lambda p: {**p, "kvdisagg": {**p["kvdisagg"], "kv_layout": "0" * 16}},

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kvdisagg.planner.profile import ParallelProfile, Profile, save_profile
 from kvdisagg.local.servers import free_port
+from kvdisagg.planner.profile import ParallelProfile, Profile, save_profile
 
 from .conftest import LOG_DIR, metric, post, prompt_ids
 

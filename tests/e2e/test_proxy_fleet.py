@@ -15,9 +15,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 import yaml
@@ -121,7 +122,7 @@ class Load:
                 self.outcomes.append((p, out))
             i += len(self._threads)
 
-    def __enter__(self) -> "Load":
+    def __enter__(self) -> Load:
         for t in self._threads:
             t.start()
         return self
@@ -183,7 +184,7 @@ class PD2:
         path.write_text(yaml.safe_dump(cfg))
         return path
 
-    def start(self) -> "PD2":
+    def start(self) -> PD2:
         for s in (*self.prefill, self.decode):
             s.start()
         for s in (*self.prefill, self.decode):

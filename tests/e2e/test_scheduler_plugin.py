@@ -18,8 +18,14 @@ import pytest
 from kvdisagg.local.fleet import Fleet, kv_transfer_args
 from kvdisagg.local.servers import VllmServer
 
-from .conftest import (LOG_DIR, completion_tokens, metric, prompt_ids, wait_handoffs_freed,
-                       wait_kv_usage_zero)
+from .conftest import (
+    LOG_DIR,
+    completion_tokens,
+    metric,
+    prompt_ids,
+    wait_handoffs_freed,
+    wait_kv_usage_zero,
+)
 
 pytestmark = pytest.mark.e2e
 

@@ -12,8 +12,16 @@ import pytest
 from kvdisagg.local.fleet import Fleet
 from kvdisagg.local.servers import LMCacheServer
 
-from .conftest import LEASE_S, LOG_DIR, TIMEOUT_S, blocks, metric, post, prompt_ids, \
-    wait_kv_usage_zero
+from .conftest import (
+    LEASE_S,
+    LOG_DIR,
+    TIMEOUT_S,
+    blocks,
+    metric,
+    post,
+    prompt_ids,
+    wait_kv_usage_zero,
+)
 from .test_pd_serving import GEN, completion
 
 pytestmark = pytest.mark.e2e

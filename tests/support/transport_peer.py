@@ -24,8 +24,9 @@ import secrets
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import msgspec
 import torch
@@ -99,9 +100,20 @@ class PeerProcess:
         args = []
         if shard is not None:
             layers, heads, kv_heads = shard
-            args = ["--layers", ",".join(map(str, layers)), "--heads", ",".join(map(str, heads)),
-                    "--kv-heads", str(kv_heads), "--rank", str(rank), "--model-layers", str(model_layers),
-                    "--shape", f"{shape.tp}:{','.join(map(str, shape.stages))}"]
+            args = [
+                "--layers",
+                ",".join(map(str, layers)),
+                "--heads",
+                ",".join(map(str, heads)),
+                "--kv-heads",
+                str(kv_heads),
+                "--rank",
+                str(rank),
+                "--model-layers",
+                str(model_layers),
+                "--shape",
+                f"{shape.tp}:{','.join(map(str, shape.stages))}",
+            ]
         self.proc = subprocess.Popen(  # cwd: where the package ``tests`` is importable
             [sys.executable, "-m", "tests.support.transport_peer", "--transport", transport,
              "--config", json.dumps(extra), "--seed", str(seed), "--blocks", str(blocks),

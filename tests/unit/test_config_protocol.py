@@ -4,8 +4,8 @@ import msgspec
 import pytest
 
 from kvdisagg.config import ConnectorConfig, parse_config
-from kvdisagg.layout import copy_runs
 from kvdisagg.errors import ConfigError
+from kvdisagg.layout import copy_runs
 from kvdisagg.protocol import Hello, Read, RemotePrefill, handoff_params
 
 
@@ -54,8 +54,9 @@ def test_bad_handoff_params_refused(mutate):
 
 def test_side_channel_messages_are_tagged():
     dec = msgspec.msgpack.Decoder(Hello | Read)
-    assert dec.decode(msgspec.msgpack.encode(Read(handoff_id="a", token="b", block_ids=[1], dst_block_ids=[4]))) \
-        == Read(handoff_id="a", token="b", block_ids=[1], dst_block_ids=[4])
+    assert dec.decode(
+        msgspec.msgpack.encode(Read(handoff_id="a", token="b", block_ids=[1], dst_block_ids=[4]))
+    ) == Read(handoff_id="a", token="b", block_ids=[1], dst_block_ids=[4])
 
 
 @pytest.mark.parametrize("src, dst, expected", [

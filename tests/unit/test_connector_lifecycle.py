@@ -14,25 +14,41 @@ import json
 import socket
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 
 pytest.importorskip("vllm")
 
-import msgspec  # noqa: E402
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
-from vllm.v1.engine import FinishReason  # noqa: E402
-from vllm.v1.request import RequestStatus  # noqa: E402
+import msgspec
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.engine import FinishReason
+from vllm.v1.request import RequestStatus
 
-from kvdisagg.connector.leases import Held  # noqa: E402
-from kvdisagg.connector.metadata import DisaggWorkerMeta, WorkerHandshake  # noqa: E402
-from kvdisagg.protocol import (Done, Hello, Message, RemotePrefill, Renew, Reply,  # noqa: E402
-                               recv_frame, send_frame)
-from tests.unit.vllm_harness import (HANDSHAKE_PORT, KV_LAYOUT, SAMPLED_TOKEN_ID,  # noqa: E402
-                                     TRANSPORT, EmulatedWorkers, SchedulerHarness,
-                                     cleanup_model_dir, closed_port, is_blocked_on_kv,
-                                     remote_prefill_params)
+from kvdisagg.connector.leases import Held
+from kvdisagg.connector.metadata import DisaggWorkerMeta, WorkerHandshake
+from kvdisagg.protocol import (
+    Done,
+    Hello,
+    Message,
+    RemotePrefill,
+    Renew,
+    Reply,
+    recv_frame,
+    send_frame,
+)
+from tests.unit.vllm_harness import (
+    HANDSHAKE_PORT,
+    KV_LAYOUT,
+    SAMPLED_TOKEN_ID,
+    TRANSPORT,
+    EmulatedWorkers,
+    SchedulerHarness,
+    cleanup_model_dir,
+    closed_port,
+    is_blocked_on_kv,
+    remote_prefill_params,
+)
 
 REMOTE_DECODE = {"do_remote_decode": True}
 

@@ -9,7 +9,7 @@ import json
 import re
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import msgspec
 import pytest
@@ -17,8 +17,8 @@ from aiohttp import web
 
 from kvdisagg import doctor
 from kvdisagg.cli import main
-from tests.support.fake_vllm import FakeVllm
 from kvdisagg.local.servers import free_port
+from tests.support.fake_vllm import FakeVllm
 from tests.support.transport_peer import KV_LAYOUT, PeerProcess
 
 GOOD = {"kv_connector": "DisaggConnector", "kv_role": "kv_consumer",

@@ -72,7 +72,9 @@ def test_every_example_has_a_readme_listed_at_the_root():
     index = (EXAMPLES / "README.md").read_text()
     for name in EXAMPLE_DIRS:
         assert (EXAMPLES / name / "README.md").is_file(), f"examples/{name}/README.md missing"
-        assert f"({name}/" in index or f"({name})" in index, f"examples/README.md: no link to {name}"
+        assert f"({name}/" in index or f"({name})" in index, (
+            f"examples/README.md: no link to {name}"
+        )
 
 
 def test_deployment_doc_is_linked_from_the_readme():
@@ -204,7 +206,9 @@ def test_every_proxy_flag_exists():
             used.setdefault(flag, []).append(str(path.relative_to(ROOT)))
     for flag in proxy_flags_in_k8s():
         used.setdefault(flag, []).append("examples/kubernetes")
-    assert {"--prefill", "--decode", "--policy", "--config", "--prefill-dns"} <= set(used), sorted(used)
+    assert {"--prefill", "--decode", "--policy", "--config", "--prefill-dns"} <= set(used), sorted(
+        used
+    )
     unknown = {f: w for f, w in used.items() if f not in known}
     assert not unknown, f"flags kvdisagg proxy does not have: {unknown}"
 
@@ -267,7 +271,9 @@ def check_scaled_object(doc: dict[str, Any]) -> None:
     assert workloads()[target["name"]]["kind"] == target.get("kind", "Deployment")
     assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
     assert spec["triggers"], f"ScaledObject {name}: no triggers"
-    documented = set(re.findall(r"`(kvdisagg_proxy_\w+)`", (ROOT / "docs" / "proxy.md").read_text()))
+    documented = set(
+        re.findall(r"`(kvdisagg_proxy_\w+)`", (ROOT / "docs" / "proxy.md").read_text())
+    )
     for trig in spec["triggers"]:
         assert trig["type"] == "prometheus"
         meta = trig["metadata"]
@@ -370,7 +376,9 @@ def proxy_config_from_configmap(tmp_path: Path) -> tuple[Any, dict[str, Any]]:
     args = c["args"]
     path = Path(args[args.index("--config") + 1])
     mount = next(m for m in c["volumeMounts"] if str(path).startswith(m["mountPath"] + "/"))
-    vol = next(v for v in deploy["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+    vol = next(
+        v for v in deploy["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]
+    )
     cm = by_kind("ConfigMap")[vol["configMap"]["name"]]
     text = cm["data"][path.name]
     (tmp_path / path.name).write_text(text)
@@ -448,13 +456,17 @@ def check_api_discovery(cfg: Any, proxy: dict[str, Any]) -> list[str]:
         ws = [w for w in workloads().values() if want.items() <= pod_labels(w).items()]
         assert ws, f"{role}_selector {sel!r} matches no pod template"
         for w in ws:
-            assert pod_labels(w)["kvdisagg/role"] == role, f"{role}_selector {sel!r} selects {w['metadata']['name']}"
+            assert pod_labels(w)["kvdisagg/role"] == role, (
+                f"{role}_selector {sel!r} selects {w['metadata']['name']}"
+            )
             assert container_ports(w).get("http") == k.port, (
                 f"discovery.kubernetes.port {k.port} is not {w['metadata']['name']}'s http port")
         roles.append(role)
     spec = proxy["spec"]["template"]["spec"]
     sa = spec.get("serviceAccountName")
-    assert sa in by_kind("ServiceAccount"), f"the proxy runs as {sa!r}, no ServiceAccount of the base"
+    assert sa in by_kind("ServiceAccount"), (
+        f"the proxy runs as {sa!r}, no ServiceAccount of the base"
+    )
     assert spec.get("automountServiceAccountToken", True), "the proxy needs its token mounted"
     verbs: set[str] = set()
     for rb in by_kind("RoleBinding").values():
@@ -702,7 +714,9 @@ def check_dockerfile(text: str, where: str) -> dict[str, Any]:
                 tag = base.partition(":")[2]
                 assert tag and tag != "latest" and re.search(r"\d", tag) and "$" not in base, (
                     f"{where}:{ins.line}: {base} is not pinned to a version")
-            stages.append(words[2] if len(words) == 3 and words[1].upper() == "AS" else f"#{len(stages)}")
+            stages.append(
+                words[2] if len(words) == 3 and words[1].upper() == "AS" else f"#{len(stages)}"
+            )
             final = {"base": base, "user": None, "labels": {}}
             args = {}
         elif ins.cmd == "ARG":
@@ -804,7 +818,8 @@ def test_proxy_image_pins_every_dependency():
 
 
 def test_dockerfile_checks_can_fail():
-    ok = "FROM python:3.11.13-slim-bookworm AS b\nCOPY src/ src/\nFROM python:3.11.13-slim-bookworm\n"
+    ok = ("FROM python:3.11.13-slim-bookworm AS b\nCOPY src/ src/\n"
+          "FROM python:3.11.13-slim-bookworm\n")
     check_dockerfile(ok, "ok")
     for bad, why in (
             ("FROM python:latest\n", "not pinned"),

@@ -17,6 +17,7 @@ import pytest
 import zmq
 from aiohttp import web
 
+from kvdisagg.local.servers import free_port
 from kvdisagg.proxy.cache_index import CacheIndex, CacheIndexConfig, IndexState
 from kvdisagg.proxy.kv_events import (
     AllBlocksCleared,
@@ -28,7 +29,6 @@ from kvdisagg.proxy.kv_events import (
     source_from_publisher,
     subscriber_address,
 )
-from kvdisagg.local.servers import free_port
 from tests.support.zmq_relay import LossyRelay
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")

@@ -18,8 +18,13 @@ from kvdisagg.planner.workload import draw, load_lengths
 def _profile():
     # tp2 is faster per request but not twice as fast: a real trade-off for the search.
     def cfg(tp, k):
-        return ParallelProfile(tp=tp, prefill=(10 / k, 0.1 / k, 1e-5 / k), decode_small=(8 / k, 5e-4 / k, 0.05 / k),
-                               decode_large=(8 / k, 5e-4 / k, 0.05 / k), max_num_tokens=60000)
+        return ParallelProfile(
+            tp=tp,
+            prefill=(10 / k, 0.1 / k, 1e-5 / k),
+            decode_small=(8 / k, 5e-4 / k, 0.05 / k),
+            decode_large=(8 / k, 5e-4 / k, 0.05 / k),
+            max_num_tokens=60000,
+        )
     return Profile(model="toy", configs=(cfg(1, 1.0), cfg(2, 1.6)))
 
 
@@ -46,7 +51,9 @@ def test_single_request_slo_scale_known_answer():
     seed = draw(load_lengths("fixed:100:11"), 1, seed=0)
     m_ttft = (10 + 0.1 * 100 + 1e-5 * 100**2) * 1e-3
     # TTFT SLO = 2x the single-request prefill: scale 0.5 is the tightest met.
-    k = tightest_slo_scale(Disaggregated(), seed.at_rate(1.0), env, SloTarget(ttft_s=2 * m_ttft, tpot_s=10.0))
+    k = tightest_slo_scale(
+        Disaggregated(), seed.at_rate(1.0), env, SloTarget(ttft_s=2 * m_ttft, tpot_s=10.0)
+    )
     assert k == pytest.approx(0.5, rel=0.01)
 
 
@@ -86,9 +93,18 @@ def test_launch_commands_place_gpus_and_roles():
     cmds = launch_commands(pl, "m", gpus_per_node=4, ttft_slo_s=0.25, tpot_slo_s=0.1)
     launches = [c for c in cmds if isinstance(c, Launch)]
     assert [(c.role, c.node, c.gpus) for c in launches] == [
-        ("prefill", 0, (0, 1)), ("prefill", 0, (2, 3)), ("decode", 1, (0,)), ("decode", 1, (1,)), ("decode", 1, (2,))]
-    assert "--tensor-parallel-size 2" in launches[0].command and "kv_producer" in launches[0].command
-    assert "kv_consumer" in launches[2].command and "--tensor-parallel-size" not in launches[2].command
+        ("prefill", 0, (0, 1)),
+        ("prefill", 0, (2, 3)),
+        ("decode", 1, (0,)),
+        ("decode", 1, (1,)),
+        ("decode", 1, (2,)),
+    ]
+    assert (
+        "--tensor-parallel-size 2" in launches[0].command and "kv_producer" in launches[0].command
+    )
+    assert (
+        "kv_consumer" in launches[2].command and "--tensor-parallel-size" not in launches[2].command
+    )
     proxy = cmds[-1]
     assert isinstance(proxy, str) and proxy.startswith(
         "kvdisagg proxy --prefill 'http://<node0>:8100' 'http://<node0>:8101' --decode")
@@ -112,10 +128,14 @@ def test_launch_lines_on_cpu_bind_a_core_per_rank_and_start_as_printed():
                            serve_args=["--dtype", "float32"])
     lines = printed(cmds)
     assert lines[0] == "# node 0" and lines[1].endswith(" &") and not lines[-1].endswith("&")
-    assert lines[1].startswith("VLLM_CPU_OMP_THREADS_BIND=0 python -m "
-                               "vllm.entrypoints.openai.api_server --model /m --host 127.0.0.1 --port 8100")
+    assert lines[1].startswith(
+        "VLLM_CPU_OMP_THREADS_BIND=0 python -m "
+        "vllm.entrypoints.openai.api_server --model /m --host 127.0.0.1 --port 8100"
+    )
     assert lines[2].startswith("VLLM_CPU_OMP_THREADS_BIND='1|2' python -m")
-    assert "--pipeline-parallel-size 2 --distributed-executor-backend mp --dtype float32" in lines[2]
+    assert (
+        "--pipeline-parallel-size 2 --distributed-executor-backend mp --dtype float32" in lines[2]
+    )
     argv = shlex.split(lines[1][:-2])
     config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
     assert config["kv_role"] == "kv_producer"
@@ -157,7 +177,17 @@ def unserved_at(placement, per_node):
 def test_cli_simulate_and_plan_json(tmp_path, capsys):
     path = tmp_path / "toy.json"
     save_profile(_profile(), path)
-    common = ["--profile", str(path), "--ttft-slo", "0.4", "--tpot-slo", "0.06", "--requests", "200", "--json"]
+    common = [
+        "--profile",
+        str(path),
+        "--ttft-slo",
+        "0.4",
+        "--tpot-slo",
+        "0.06",
+        "--requests",
+        "200",
+        "--json",
+    ]
     assert main(["simulate", *common, "--prefill-tp", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["placement"]["prefill_tp"] == 2 and out["per_gpu"] > 0
@@ -166,7 +196,9 @@ def test_cli_simulate_and_plan_json(tmp_path, capsys):
     assert 0 <= out["attainment"] <= 1 and out["slo_scale"] > 0
     assert main(["plan", *common, "--gpus", "3"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["unit"]["per_gpu"] > 0 and any(c.startswith("kvdisagg proxy") for c in out["commands"])
+    assert out["unit"]["per_gpu"] > 0 and any(
+        c.startswith("kvdisagg proxy") for c in out["commands"]
+    )
     # Bad input is a clear error and exit code 2, not a traceback.
     assert main(["simulate", *common, "--decode-tp", "3"]) == 2
     assert "no config tp=3" in capsys.readouterr().err

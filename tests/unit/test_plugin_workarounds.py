@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvdisagg import plugin  # noqa: E402
+from kvdisagg import plugin
 
 PD_ARGV = ["vllm", "serve", "m", "--kv-transfer-config", '{"kv_connector":"DisaggConnector"}']
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from kvdisagg.local.servers import free_port
 from kvdisagg.proxy import make_app
 from kvdisagg.proxy.app import ADMIN, REGISTRY
 from kvdisagg.proxy.config import (
@@ -27,7 +29,6 @@ from kvdisagg.proxy.config import (
     TimeoutConfig,
 )
 from kvdisagg.proxy.types import Role
-from kvdisagg.local.servers import free_port
 from kvdisagg.tracing import TRACE_PARAMS_KEY, Tracer
 from tests.support.fake_vllm import FakeVllm
 
@@ -204,7 +205,9 @@ def test_chat_streaming_relay_is_byte_identical() -> None:
             p = env.prefill[0].seen[0]["body"]
             assert p["max_completion_tokens"] == 1 and "stream_options" not in p
             d = env.decode[0].seen[0]["body"]
-            assert d["max_completion_tokens"] == 9 and d["stream_options"] == {"include_usage": True}
+            assert d["max_completion_tokens"] == 9 and d["stream_options"] == {
+                "include_usage": True
+            }
             text = await env.metrics()
             assert metric(text, "kvdisagg_proxy_ttft_seconds_count") == 1
             assert metric(text, "kvdisagg_proxy_tpot_seconds_count") == 1
@@ -338,7 +341,7 @@ def test_failed_kv_load_on_only_decode_reprefills_on_other_prefill_and_retries()
     async def t(stream: bool) -> None:
         async with proxy(n_prefill=2, n_decode=1) as env:
             d = env.decode[0]
-            for round_ in range(4):  # more than breaker.failure_threshold
+            for _ in range(4):  # more than breaker.failure_threshold
                 d.kv_load_failures = 1
                 r = await env.client.post("/v1/completions", json={**GEN, "stream": stream})
                 assert r.status == 200, await r.text()

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from kvdisagg.local.servers import free_port
 from kvdisagg.proxy import make_app
 from kvdisagg.proxy.admin_cli import Exit, add_arguments
 from kvdisagg.proxy.admin_cli import run as admin_run
@@ -32,7 +33,6 @@ from kvdisagg.proxy.config import (
 )
 from kvdisagg.proxy.registry import Registry, State
 from kvdisagg.proxy.types import Role
-from kvdisagg.local.servers import free_port
 from tests.support.fake_vllm import FakeVllm
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -255,5 +255,5 @@ def test_admin_is_a_kvdisagg_command() -> None:
     from kvdisagg.cli import COMMANDS
     from kvdisagg.proxy import admin_cli
     from kvdisagg.proxy.config import ADMIN_KEY_ENV
-    assert COMMANDS["admin"] == "kvdisagg.proxy.admin_cli"
+    assert COMMANDS["admin"].module == "kvdisagg.proxy.admin_cli"
     assert admin_cli.KEY_ENV == ADMIN_KEY_ENV  # the client and the proxy read one variable

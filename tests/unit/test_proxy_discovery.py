@@ -7,8 +7,9 @@ import argparse
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import dns.flags
 import dns.message
@@ -19,6 +20,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from kvdisagg.errors import ConfigError
+from kvdisagg.local.servers import free_port
 from kvdisagg.proxy import make_app
 from kvdisagg.proxy.app import DISCOVERY, REGISTRY
 from kvdisagg.proxy.cli import add_arguments, config_from_args
@@ -47,7 +49,6 @@ from kvdisagg.proxy.discovery import (
 from kvdisagg.proxy.metrics import Metrics
 from kvdisagg.proxy.registry import Outcome, Registry, State
 from kvdisagg.proxy.types import Role, Side
-from kvdisagg.local.servers import free_port
 from tests.support.fake_vllm import FakeVllm
 
 
@@ -91,7 +92,7 @@ class DnsServer(asyncio.DatagramProtocol):
     @property
     def address(self) -> str:
         assert self.transport is not None
-        return "127.0.0.1:%d" % self.transport.get_extra_info("sockname")[1]
+        return f"127.0.0.1:{self.transport.get_extra_info('sockname')[1]:d}"
 
 
 @contextlib.asynccontextmanager

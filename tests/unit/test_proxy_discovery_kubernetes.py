@@ -17,6 +17,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from kvdisagg.errors import ConfigError
+from kvdisagg.local.servers import free_port
 from kvdisagg.proxy.config import DiscoveryConfig, HealthConfig, KubernetesDiscovery, ProxyConfig
 from kvdisagg.proxy.discovery import (
     Discovery,
@@ -27,7 +28,6 @@ from kvdisagg.proxy.discovery import (
 from kvdisagg.proxy.metrics import Metrics
 from kvdisagg.proxy.registry import Outcome, Registry, State
 from kvdisagg.proxy.types import Role, Side
-from kvdisagg.local.servers import free_port
 from tests.support.fake_vllm import FakeVllm
 from tests.support.kube_api import KubeApi
 
@@ -253,7 +253,9 @@ def test_api_failures_are_errors_and_every_wait_is_bounded(sa: Path) -> None:
         async with kube_api() as (api, url):
             src = source(url, sa, timeout_s=0.5)
             try:
-                with pytest.raises(DiscoveryError, match=r"HTTP 401 \(the service account token was refused\)"):
+                with pytest.raises(
+                    DiscoveryError, match=r"HTTP 401 \(the service account token was refused\)"
+                ):
                     await src.resolve()
             finally:
                 await src.close()
@@ -332,7 +334,10 @@ def test_discovery_follows_pods_through_the_watch(sa: Path) -> None:
                 await disc.sync()
                 assert set(reg.instances) == {url_of["decode-1"]}
                 text = metrics.render(reg)
-                assert f'kvdisagg_proxy_discovery_errors_total{{side="decode",source="k8s:{DEC_SEL}"}}' in text
+                assert (
+                    f'kvdisagg_proxy_discovery_errors_total{{side="decode",source="k8s:{DEC_SEL}"}}'
+                    in text
+                )
                 # back: the prefill pod is ready again
                 api.fail_status = None
                 api.set_ready("prefill-0", True)

@@ -176,9 +176,11 @@ def test_health_hysteresis() -> None:
 
 
 def test_parse_vllm_queue() -> None:
-    text = (b'# HELP vllm:num_requests_waiting x\nvllm:num_requests_waiting{engine="0"} 3.0\n'
-            b'vllm:num_requests_waiting{engine="1"} 2.0\nvllm:num_requests_running{engine="0"} 4.0\n'
-            b'vllm:num_requests_running_total 99\n')
+    text = (
+        b'# HELP vllm:num_requests_waiting x\nvllm:num_requests_waiting{engine="0"} 3.0\n'
+        b'vllm:num_requests_waiting{engine="1"} 2.0\nvllm:num_requests_running{engine="0"} 4.0\n'
+        b"vllm:num_requests_running_total 99\n"
+    )
     assert parse_vllm_queue(text) == (5.0, 4.0 + 99)
 
 
@@ -186,12 +188,19 @@ def test_decode_body_splices_client_bytes() -> None:
     raw = b' {"prompt":"a","temperature":0.1000000000000000055511151231257827}'
     b = bodies.parse(raw, chat=False, prefix_chars=8)
     out = bodies.decode_body(b, b'{"x":1}')
-    assert out == b' {"kv_transfer_params":{"x":1},"prompt":"a","temperature":0.1000000000000000055511151231257827}'
+    assert (
+        out
+        == b' {"kv_transfer_params":{"x":1},"prompt":"a",'
+        b'"temperature":0.1000000000000000055511151231257827}'
+    )
     empty = bodies.parse(b"{ }", chat=False, prefix_chars=8)
     assert msgspec.json.decode(bodies.decode_body(empty, b"{}")) == {"kv_transfer_params": {}}
     assert bodies.decode_body(b, None) == raw
-    forged = bodies.parse(b'{"prompt":"a","top_p":0.7,"kv_transfer_params":{"remote_block_ids":[6]}}',
-                          chat=False, prefix_chars=8)
+    forged = bodies.parse(
+        b'{"prompt":"a","top_p":0.7,"kv_transfer_params":{"remote_block_ids":[6]}}',
+        chat=False,
+        prefix_chars=8,
+    )
     assert b"kv_transfer_params" not in forged.raw and b'"top_p":0.7' in forged.raw
     assert bodies.parse(b'{"prompt":[1,2,3,4,5]}', False, 8).route.prompt_tokens == 5
     assert bodies.parse(b'{"prompt":"x"}', False, 8).route.max_tokens == 16
@@ -239,6 +248,8 @@ def test_config_validation_and_files(tmp_path) -> None:
     assert [i.role for i in cfg.instances] == [Role.PREFILL, Role.BOTH]
     assert cfg.policy.prefill == "prefix_aware" and cfg.slo.admission == "shed"
     t = tmp_path / "p.toml"
-    t.write_text('[[instances]]\nurl = "http://a:1"\nrole = "decode"\n[retry]\nprefill_atempts = 3\n')
+    t.write_text(
+        '[[instances]]\nurl = "http://a:1"\nrole = "decode"\n[retry]\nprefill_atempts = 3\n'
+    )
     with pytest.raises(ConfigError, match="prefill_atempts"):
         load_config_file(t)

@@ -95,7 +95,12 @@ def test_the_docstrings_diagrams() -> None:
 
 def test_replicated_heads_are_read_one_to_one_when_tps_match() -> None:
     """TP4 over 2 KV heads on both sides: each rank reads its own replica, none is idle."""
-    assert [[p.src for p in mine] for mine in plan(Shape(4), Shape(4), 2, 2)] == [[0], [1], [2], [3]]
+    assert [[p.src for p in mine] for mine in plan(Shape(4), Shape(4), 2, 2)] == [
+        [0],
+        [1],
+        [2],
+        [3],
+    ]
 
 
 @pytest.mark.parametrize("prefill, decode, why", [

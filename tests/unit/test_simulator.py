@@ -13,12 +13,17 @@ from kvdisagg.planner.workload import Requests, draw, load_lengths
 
 
 def _model(pp=1, pre=(10.0, 0.1, 0.0), dec=(5.0, 0.001, 0.5), it=0.0):
-    return LatencyModel(ParallelProfile(tp=1, pp=pp, prefill=pre, decode_small=dec, decode_large=dec,
-                                        iter_overhead_ms=it))
+    return LatencyModel(
+        ParallelProfile(
+            tp=1, pp=pp, prefill=pre, decode_small=dec, decode_large=dec, iter_overhead_ms=it
+        )
+    )
 
 
 def _req(arrival, prompt, output):
-    return Requests(np.asarray(arrival, float), np.asarray(prompt, np.int64), np.asarray(output, np.int64))
+    return Requests(
+        np.asarray(arrival, float), np.asarray(prompt, np.int64), np.asarray(output, np.int64)
+    )
 
 
 def _decode_total(m, batch, plen, steps):
@@ -45,7 +50,9 @@ def test_saturated_prefill_queue_serializes():
     # Budget of one prompt per batch: the k-th of n simultaneous prompts ends at k * service time.
     m = _model()
     n, plen = 20, 400
-    tl = simulate_disaggregated(_req([0.0] * n, [plen] * n, [1] * n), [SimInstance(m, prefill_budget=plen)], [])
+    tl = simulate_disaggregated(
+        _req([0.0] * n, [plen] * n, [1] * n), [SimInstance(m, prefill_budget=plen)], []
+    )
     service = m.prefill_s(plen, plen**2)
     np.testing.assert_allclose(np.sort(tl.prefill_end), service * np.arange(1, n + 1))
 
@@ -54,7 +61,9 @@ def test_saturated_pipeline_overlaps_stages():
     # pp=2: stage 0 takes first = work/2 + overheads; batches enter every `first` seconds.
     m = _model(pp=2, it=3.0)
     n, plen = 10, 400
-    tl = simulate_disaggregated(_req([0.0] * n, [plen] * n, [1] * n), [SimInstance(m, prefill_budget=plen)], [])
+    tl = simulate_disaggregated(
+        _req([0.0] * n, [plen] * n, [1] * n), [SimInstance(m, prefill_budget=plen)], []
+    )
     first, other = m.prefill_stages_s(plen, plen**2)
     assert first > other
     np.testing.assert_allclose(np.sort(tl.prefill_end), first * np.arange(1, n + 1) + other)
@@ -63,7 +72,9 @@ def test_saturated_pipeline_overlaps_stages():
 def test_prefill_batches_by_token_budget():
     # The first prompt starts at once on the idle instance; the queued ones batch up to 250 tokens.
     m = _model()
-    tl = simulate_disaggregated(_req([0.0] * 4, [100] * 4, [1] * 4), [SimInstance(m, prefill_budget=250)], [])
+    tl = simulate_disaggregated(
+        _req([0.0] * 4, [100] * 4, [1] * 4), [SimInstance(m, prefill_budget=250)], []
+    )
     one, two = m.prefill_s(100, 100**2), m.prefill_s(200, 2 * 100**2)
     np.testing.assert_allclose(tl.prefill_end, [one, one + two, one + two, 2 * one + two])
 
@@ -112,7 +123,9 @@ def test_late_joiner_shares_steps_and_light_load_skipping_is_exact():
 def test_kv_capacity_admits_one_at_a_time():
     m = _model()
     cap = 150  # one 100-token prompt plus its 20 generated tokens fits, two do not
-    tl = simulate_disaggregated(_req([0.0, 0.0], [100, 100], [20, 20]), [], [SimInstance(m, capacity=cap)])
+    tl = simulate_disaggregated(
+        _req([0.0, 0.0], [100, 100], [20, 20]), [], [SimInstance(m, capacity=cap)]
+    )
     alone = _decode_total(m, 1, 100, 20)
     assert sorted(tl.finish) == pytest.approx([alone, 2 * alone])
 
@@ -132,15 +145,21 @@ def test_colocated_prefill_preempts_decode_steps():
     one = m.decode_s(1, 101)
     p0 = m.prefill_s(100, 100**2)
     tl = simulate_colocated(_req([0.0, p0 + 2.5 * one], [100, 100], [10, 1]), [SimInstance(m)])
-    assert tl.prefill_end[1] == pytest.approx(p0 + sum(m.decode_s(1, 100 + j + 1) for j in range(3)) + p0)
+    assert tl.prefill_end[1] == pytest.approx(
+        p0 + sum(m.decode_s(1, 100 + j + 1) for j in range(3)) + p0
+    )
     assert tl.finish[0] > p0 + _decode_total(m, 1, 100, 10) + p0 * 0.99
 
 
 def test_deterministic_under_seed():
     m = _model()
     lengths = load_lengths("sharegpt")
-    runs = [simulate_disaggregated(draw(lengths, 500, seed=s).at_rate(3.0), [SimInstance(m)], [SimInstance(m)])
-            for s in (7, 7, 8)]
+    runs = [
+        simulate_disaggregated(
+            draw(lengths, 500, seed=s).at_rate(3.0), [SimInstance(m)], [SimInstance(m)]
+        )
+        for s in (7, 7, 8)
+    ]
     np.testing.assert_array_equal(runs[0].finish, runs[1].finish)
     assert not np.array_equal(runs[0].finish, runs[2].finish)
     assert not np.isnan(runs[0].finish).any()

@@ -1,5 +1,5 @@
-"""kvdisagg.slo_scheduler.SloScheduler driven as vLLM drives it: vLLM's real Scheduler machinery with
-DisaggConnector, through tests/unit/vllm_harness.py (the harness builds ``Scheduler``; here it
+"""kvdisagg.slo_scheduler.SloScheduler driven as vLLM drives it: vLLM's real Scheduler machinery
+with DisaggConnector, through tests/unit/vllm_harness.py (the harness builds ``Scheduler``; here it
 builds the class ``--scheduler-cls kvdisagg.slo_scheduler.SloScheduler`` resolves to). No processes,
 no model: the workers are emulated by the harness. Settings come through $KVDISAGG_SCHEDULER
 (the connector refuses keys it does not know in kv_connector_extra_config)."""
@@ -14,16 +14,23 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm.config import SchedulerConfig  # noqa: E402
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.request import RequestStatus  # noqa: E402
+from vllm.config import SchedulerConfig
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
 
-from kvdisagg.errors import ConfigError  # noqa: E402
-from kvdisagg.slo_scheduler import (ENV_VAR, SLO_PARAMS_KEY, AsyncSloScheduler,  # noqa: E402
-                                SchedulerSettings, SloScheduler, SloStats, load_settings)
-from tests.unit import vllm_harness  # noqa: E402
-from tests.unit.vllm_harness import SchedulerHarness, Step, cleanup_model_dir  # noqa: E402
+from kvdisagg.errors import ConfigError
+from kvdisagg.slo_scheduler import (
+    ENV_VAR,
+    SLO_PARAMS_KEY,
+    AsyncSloScheduler,
+    SchedulerSettings,
+    SloScheduler,
+    SloStats,
+    load_settings,
+)
+from tests.unit import vllm_harness
+from tests.unit.vllm_harness import SchedulerHarness, Step, cleanup_model_dir
 
 SCHEDULER_CLS = "kvdisagg.slo_scheduler.SloScheduler"
 REMOTE_DECODE = {"do_remote_decode": True}
@@ -37,7 +44,8 @@ def _model_dir_removed():
 
 
 def resolved_cls() -> type:
-    """What vLLM's EngineCore instantiates for ``--scheduler-cls kvdisagg.slo_scheduler.SloScheduler``."""
+    """What vLLM's EngineCore instantiates for
+    ``--scheduler-cls kvdisagg.slo_scheduler.SloScheduler``."""
     return SchedulerConfig.default_factory(scheduler_cls=SCHEDULER_CLS).get_scheduler_cls()
 
 

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from kvdisagg.errors import ConfigError
+from kvdisagg.local.tiny_model import ensure_tiny_model
 from kvdisagg.proxy.chat_template import accepted_kwargs, detect_content_format
 from kvdisagg.proxy.tokens import RequestTokenizer, TokenizerConfig, TokenizerMode
-from kvdisagg.local.tiny_model import ensure_tiny_model
 
 vllm_hf = pytest.importorskip("vllm.renderers.hf")
 
@@ -155,7 +155,9 @@ def test_a_processor_model_leaves_chat_to_tokenize(tmp_path: Path) -> None:
     asyncio.run(t.start())
     assert t.local({"messages": [{"role": "user", "content": "x"}]}, True) is None
     assert t.local({"prompt": "x"}, False) is not None
-    t2 = RequestTokenizer(TokenizerConfig(model=str(model), chat_template="{{ messages[0].content }}"))
+    t2 = RequestTokenizer(
+        TokenizerConfig(model=str(model), chat_template="{{ messages[0].content }}")
+    )
     asyncio.run(t2.start())
     assert t2.local({"messages": [{"role": "user", "content": "hello"}]}, True) == [
         t2._local.tok("hello", add_special_tokens=False)["input_ids"]]  # type: ignore[union-attr]

@@ -17,11 +17,19 @@ import torch
 
 from kvdisagg.config import ConnectorConfig
 from kvdisagg.errors import ChecksumMismatch, IncompatiblePeerError, TransportError
-from kvdisagg.sharding import Shape, plan
 from kvdisagg.local.servers import LMCacheServer, free_port
-from tests.support.transport_peer import (BLOCK_SIZE, KV_LAYOUT, PeerProcess, geometry,
-                                          kv_caches, model_kv, open_transport, shard_caches)
+from kvdisagg.sharding import Shape, plan
 from kvdisagg.transport import Fetch, PullTiming
+from tests.support.transport_peer import (
+    BLOCK_SIZE,
+    KV_LAYOUT,
+    PeerProcess,
+    geometry,
+    kv_caches,
+    model_kv,
+    open_transport,
+    shard_caches,
+)
 
 TRANSPORTS = ["tcp", "nccl", "mooncake", "lmcache"]
 CORRUPTING = {"tcp": "Tcp", "nccl": "Nccl", "mooncake": "Mooncake", "lmcache": "LMCache"}
@@ -411,7 +419,7 @@ def test_sharded_instances_pull_each_ranks_heads_and_layers(name, case, request)
                 assert "h" not in peers[p].released({"h"}, within_s=0.3), (case, p)
         with ThreadPoolExecutor(decode.world) as pool:
             list(pool.map(pull, range(1, decode.world)))
-        for transport, caches, pp, tp in decodes:
+        for _transport, caches, pp, tp in decodes:
             heads = list(decode.heads(tp, kv_heads))
             for layer in decode.layers(pp, LAYERS):
                 want = model_kv(SEED, layer, kv_heads)[remote][:, heads]

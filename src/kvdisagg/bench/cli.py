@@ -261,8 +261,12 @@ class _Session:
         args, out = self.args, []
         lo, hi = _range(args.sweep, "--sweep")
         for ep in self.options.endpoints:
-            best, probes = bisect_max_rate(lambda r, ep=ep: self.one_run(ep, r).attainment,
-                                           lo, hi, args.attainment, args.sweep_steps)
+
+            def attainment(rate: float, ep: Any = ep) -> float:
+                return float(self.one_run(ep, rate).attainment)
+
+            best, probes = bisect_max_rate(attainment, lo, hi, args.attainment,
+                                           args.sweep_steps)
             k = ep.gpus if args.per_gpu_rate else 1  # probes -> endpoint rates
             out.append(_sweep(ep, best.rate * k if best.rate is not None else None,
                               best.censored,

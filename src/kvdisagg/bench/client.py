@@ -8,7 +8,6 @@ end as a failed record with the reason, never as an exception out of ``send``.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any, Literal
 
@@ -117,7 +116,7 @@ async def send(session: aiohttp.ClientSession, url: str, spec: RequestSpec, cfg:
                     stamps.extend([now] * k)
                     rec.output_events += 1
             end = time.perf_counter()  # the body's end, after [DONE]
-    except asyncio.TimeoutError:
+    except TimeoutError:
         rec.error = (f"timeout after {time.perf_counter() - start:.1f}s (connect "
                      f"{cfg.connect_s}s, idle {cfg.idle_s}s, total {cfg.total_s}s)")
         return rec

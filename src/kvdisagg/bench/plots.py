@@ -4,13 +4,13 @@ per endpoint with the target drawn in; and TTFT / TPOT CDFs with the SLOs drawn 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from kvdisagg.bench.records import RequestRecord, RunSummary, Slo
 
 
-def _plt():  # type: ignore[no-untyped-def]
+def _plt():
     import matplotlib
 
     matplotlib.use("Agg")

@@ -22,7 +22,8 @@ import asyncio
 import random
 import statistics
 import time
-from typing import Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import aiohttp
 

@@ -9,7 +9,7 @@ it instead of disappearing.
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvdisagg.bench.records import Percentiles, RequestRecord, RunSummary, Slo
 

@@ -12,7 +12,8 @@ Two ways to get it, both pure so they are unit-tested without a server:
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 from kvdisagg.bench.records import SweepPoint
 

@@ -13,8 +13,9 @@ import csv
 import json
 import math
 import random
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal, NamedTuple, Sequence
+from typing import Literal, NamedTuple
 
 Arrival = Literal["poisson", "constant"]
 
@@ -23,7 +24,7 @@ _WORDS = ("the cache block key value token prefill decode model layer attention 
 
 
 class RequestSpec(NamedTuple):
-    index: int
+    index: int  # type: ignore[assignment]  # a field named like tuple.index
     at_s: float  # arrival, relative to the run start
     prompt_len: int
     output_len: int

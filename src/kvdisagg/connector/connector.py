@@ -45,12 +45,12 @@ class DisaggConnector(KVConnectorBase_V1):
 
             self._scheduler: DisaggScheduler | None = DisaggScheduler(
                 vllm_config, config, prefix_lookup=_prefix_lookup(vllm_config, config))
-            self._worker = None
+            self._worker: DisaggWorker | None = None
         else:
             from kvdisagg.connector.worker import DisaggWorker
 
             self._scheduler = None
-            self._worker: DisaggWorker | None = DisaggWorker(vllm_config, config)
+            self._worker = DisaggWorker(vllm_config, config)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

@@ -127,8 +127,8 @@ class LeaseKeeper:
             except (OSError, ValueError, KvDisaggError) as exc:
                 # Prefill unreachable: its pulls fail on their own; retry next round.
                 logger.warning("kvdisagg: lease renewal to %s:%d failed: %s", *key, exc)
-                if (sock := self._conns.pop(key, None)) is not None:
-                    sock.close()
+                if (dead := self._conns.pop(key, None)) is not None:
+                    dead.close()
 
     def _connection(self, key: tuple[str, int]) -> socket.socket:
         if (sock := self._conns.get(key)) is not None:

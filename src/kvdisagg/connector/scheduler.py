@@ -33,7 +33,8 @@ import dataclasses
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -70,7 +71,7 @@ class _Incoming:
 
     handoff: RemotePrefill | None  # None: unusable params, ``error`` says why
     error: str = ""
-    trace: str | None = None  # the proxy leg's traceparent, validated
+    trace: str = ""  # the proxy leg's traceparent, validated ('' when none or malformed)
     # Why it computes its prompt itself ('' while it does not, as far as is known).
     recomputed: str = ""
 
@@ -244,6 +245,7 @@ class DisaggScheduler:
         """Leading prompt tokens the store holds, short of the whole prompt (vLLM must compute
         at least the last token to sample)."""
         if request.request_id not in self._stored:
+            assert self.prefix_lookup is not None  # the caller checked
             stored = self.prefix_lookup(request.prompt_token_ids, self.kv_layout, self.shape)
             chunk = self.config.lmcache_chunk_tokens
             while stored >= request.num_prompt_tokens:
@@ -368,6 +370,7 @@ class DisaggScheduler:
             return False, None
         token = secrets.token_urlsafe(16)
         tokens = tuple(request.prompt_token_ids) if self.keyed_by_tokens else ()
+        stage_from: tuple[int, ...]
         offered, stage_from = tuple(block_ids), ()
         if len(block_ids) <= len(self._free_slots):
             offered, stage_from = tuple(self._free_slots[:len(block_ids)]), tuple(block_ids)

@@ -81,6 +81,8 @@ _RECOMPUTED_KEY = "recomputed_prompts"  # data[_RECOMPUTED_KEY][reason]: a count
 
 
 class DisaggStats(KVConnectorStats):
+    data: dict[str, Any]  # FIELDS' counts, and the phase/recomputed dicts
+
     def reset(self) -> None:
         self.data = {k: 0 for k in FIELDS}
 

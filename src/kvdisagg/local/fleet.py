@@ -14,8 +14,9 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from kvdisagg.local.servers import VllmServer, free_port
 

@@ -10,8 +10,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import BinaryIO
 
 from kvdisagg.bench.scrape import parse, total
 
@@ -67,7 +68,7 @@ class VllmServer:
         self.extra_env = dict(env or {})
         self.served_model_name = served_model_name
         self.proc: subprocess.Popen | None = None
-        self._log_file = None
+        self._log_file: BinaryIO | None = None
 
     @property
     def base_url(self) -> str:
@@ -101,7 +102,7 @@ class VllmServer:
         env.update(self.extra_env)
         return env
 
-    def start(self) -> "VllmServer":
+    def start(self) -> VllmServer:
         if self.proc is not None:
             raise VllmServerError("server already started")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -192,7 +193,7 @@ class VllmServer:
             self._log_file = None
         self.proc = None
 
-    def __enter__(self) -> "VllmServer":
+    def __enter__(self) -> VllmServer:
         if self.proc is None:
             self.start()
         return self
@@ -211,7 +212,7 @@ class LMCacheServer:
             os.environ.get("TMPDIR", "/tmp")) / f"kvdisagg-lmcache-{self.port}.log"
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout_s: float = 60.0) -> "LMCacheServer":
+    def start(self, timeout_s: float = 60.0) -> LMCacheServer:
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(self.port), "cpu"],
@@ -237,7 +238,7 @@ class LMCacheServer:
             self.proc.wait(timeout=10)
             self.proc = None
 
-    def __enter__(self) -> "LMCacheServer":
+    def __enter__(self) -> LMCacheServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

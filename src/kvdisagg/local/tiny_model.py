@@ -13,12 +13,13 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 __all__ = ["ensure_tiny_model", "default_cache_dir", "TINY_CONFIG"]
 
 DONE_MARKER = "DONE"
 
-TINY_CONFIG = dict(
+TINY_CONFIG: dict[str, Any] = dict(
     hidden_size=256,
     num_attention_heads=4,
     num_key_value_heads=2,

@@ -17,23 +17,46 @@ SHIPPED = {
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--profile", required=True, metavar="FILE",
-                   help="profile file (kvdisagg profile), a DistServe profiler-*.json, or a shipped one: "
-                        + ", ".join(SHIPPED))
+    p.add_argument(
+        "--profile",
+        required=True,
+        metavar="FILE",
+        help="profile file (kvdisagg profile), a DistServe profiler-*.json, or a shipped one: "
+        + ", ".join(SHIPPED),
+    )
     p.add_argument("--model", help="model inside a DistServe profile file (e.g. facebook/opt-13b)")
-    p.add_argument("--workload", default="sharegpt",
-                   help="sharegpt (default), fixed:PROMPT:OUTPUT, or a .csv/.jsonl of prompt_len,output_len")
-    p.add_argument("--ttft-slo", type=float, required=True, metavar="S", help="TTFT objective, seconds")
-    p.add_argument("--tpot-slo", type=float, required=True, metavar="S", help="TPOT objective, seconds")
+    p.add_argument(
+        "--workload",
+        default="sharegpt",
+        help="sharegpt (default), fixed:PROMPT:OUTPUT, or a .csv/.jsonl of prompt_len,output_len",
+    )
+    p.add_argument(
+        "--ttft-slo", type=float, required=True, metavar="S", help="TTFT objective, seconds"
+    )
+    p.add_argument(
+        "--tpot-slo", type=float, required=True, metavar="S", help="TPOT objective, seconds"
+    )
     p.add_argument("--attainment", type=float, default=0.9,
                    help="target fraction of requests meeting both objectives (default 0.9)")
-    p.add_argument("--requests", type=int, default=2000,
-                   help="simulated requests per run (default 2000; DistServe used 300, which is noisy)")
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=2000,
+        help="simulated requests per run (default 2000; DistServe used 300, which is noisy)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--definition", choices=["distserve", "client"], default="distserve",
-                   help="latency definitions: DistServe's simulator, or what a client of our proxy sees")
-    p.add_argument("--link-gbps", type=float, default=0.0,
-                   help="prefill->decode KV bandwidth per decode instance, Gbit/s (default 0: free)")
+    p.add_argument(
+        "--definition",
+        choices=["distserve", "client"],
+        default="distserve",
+        help="latency definitions: DistServe's simulator, or what a client of our proxy sees",
+    )
+    p.add_argument(
+        "--link-gbps",
+        type=float,
+        default=0.0,
+        help="prefill->decode KV bandwidth per decode instance, Gbit/s (default 0: free)",
+    )
     p.add_argument("--prefill-budget", type=int, metavar="TOKENS",
                    help="prompt tokens per prefill batch (SloScheduler's max_batched_tokens; "
                         "default: the KV capacity, as DistServe)")

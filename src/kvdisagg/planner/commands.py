@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 import shlex
-from typing import Literal, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Literal, NamedTuple
 
 from kvdisagg.errors import ConfigError
 from kvdisagg.planner.placement import Colocated, Disaggregated, Placement
@@ -64,6 +65,7 @@ def launch_commands(placement: Placement, model: str, *, gpus_per_node: int = 8,
     ``serve_args`` go on every instance line (e.g. ``--dtype float32``)."""
     if why := unserved(placement, gpus_per_node):
         raise ConfigError(f"DisaggConnector does not serve {placement.describe()}: {why}")
+    sides: list[tuple[str, int, int, int, str | None]]
     if isinstance(placement, Colocated):
         sides = [("colocated", placement.tp, placement.pp, placement.num_instances, None)]
     else:

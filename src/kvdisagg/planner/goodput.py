@@ -53,7 +53,8 @@ class SimEnv(msgspec.Struct, frozen=True, kw_only=True):
     profile: Profile
     definition: Definition = "distserve"
     link_gbps: float = 0.0
-    """Prefill -> decode KV bandwidth in Gbit/s per decode instance; 0: free transfers (DistServe)."""
+    """Prefill -> decode KV bandwidth in Gbit/s per decode instance; 0: free transfers
+    (DistServe)."""
     prefill_budget: int | None = None
     """Prompt tokens per prefill batch; None: the instance's KV capacity (DistServe). The
     SloScheduler's ``max_batched_tokens``."""
@@ -71,17 +72,28 @@ def simulate(placement: Placement, req: Requests, env: SimEnv) -> Timeline:
     """Run one trace through ``placement``."""
     if isinstance(placement, Colocated):
         if placement.pp != 1:
-            raise ConfigError("colocated instances are simulated with pp=1 only (use TP, or a disaggregated plan)")
+            raise ConfigError(
+                "colocated instances are simulated with pp=1 only (use TP, or a disaggregated plan)"
+            )
         steps = req.output - 1 if env.definition == "client" else req.output
-        return simulate_colocated(req, [env.spec(placement.tp, 1)] * placement.num_instances, steps=steps)
+        return simulate_colocated(
+            req, [env.spec(placement.tp, 1)] * placement.num_instances, steps=steps
+        )
     pre = env.spec(placement.prefill_tp, placement.prefill_pp * placement.pp_cross)
     dec = env.spec(placement.decode_tp, placement.decode_pp * placement.pp_cross)
     bw = env.link_gbps * 1e9 / 8 if env.link_gbps > 0 else math.inf
-    return simulate_disaggregated(req, [pre] * placement.num_prefill, [dec] * placement.num_decode,
-                                  kv_bytes_per_token=env.profile.kv_bytes_per_token, link_bytes_per_s=bw)
+    return simulate_disaggregated(
+        req,
+        [pre] * placement.num_prefill,
+        [dec] * placement.num_decode,
+        kv_bytes_per_token=env.profile.kv_bytes_per_token,
+        link_bytes_per_s=bw,
+    )
 
 
-def latencies(tl: Timeline, definition: Definition, colocated: bool) -> tuple[np.ndarray, np.ndarray]:
+def latencies(
+    tl: Timeline, definition: Definition, colocated: bool
+) -> tuple[np.ndarray, np.ndarray]:
     """Per-request (TTFT, TPOT) in seconds under ``definition``."""
     if definition == "distserve" or colocated:
         first = tl.prefill_end
@@ -95,8 +107,14 @@ def latencies(tl: Timeline, definition: Definition, colocated: bool) -> tuple[np
     return ttft, tpot
 
 
-def attainment(tl: Timeline, slo: SloTarget, definition: Definition = "distserve", *, colocated: bool = False,
-               phase: Literal["both", "ttft", "tpot"] = "both") -> float:
+def attainment(
+    tl: Timeline,
+    slo: SloTarget,
+    definition: Definition = "distserve",
+    *,
+    colocated: bool = False,
+    phase: Literal["both", "ttft", "tpot"] = "both",
+) -> float:
     """Fraction of requests meeting the SLOs (both, or one phase for single-phase runs)."""
     ttft, tpot = latencies(tl, definition, colocated)
     ok_t = ttft <= slo.ttft_s
@@ -149,13 +167,26 @@ def goodput(placement: Placement, seed: TraceSeed, env: SimEnv, slo: SloTarget, 
     colocated = isinstance(placement, Colocated)
 
     def attain_at(rate: float) -> float:
-        return attainment(simulate(placement, seed.at_rate(rate), env), slo, env.definition, colocated=colocated)
+        return attainment(
+            simulate(placement, seed.at_rate(rate), env), slo, env.definition, colocated=colocated
+        )
 
-    return max_rate(attain_at, slo.attainment, start=start or 0.5 * placement.num_gpus, rel_tol=rel_tol)
+    return max_rate(
+        attain_at, slo.attainment, start=start or 0.5 * placement.num_gpus, rel_tol=rel_tol
+    )
 
 
-def phase_goodput(phase: Literal["prefill", "decode"], tp: int, pp: int, seed: TraceSeed, env: SimEnv,
-                  slo: SloTarget, *, start: float = 1.0, rel_tol: float = 0.01) -> RateResult:
+def phase_goodput(
+    phase: Literal["prefill", "decode"],
+    tp: int,
+    pp: int,
+    seed: TraceSeed,
+    env: SimEnv,
+    slo: SloTarget,
+    *,
+    start: float = 1.0,
+    rel_tol: float = 0.01,
+) -> RateResult:
     """Highest rate one prefill-only (TTFT) or decode-only (TPOT) instance sustains at the target.
 
     DistServe's high-affinity search optimises each phase on its own like this.
@@ -175,7 +206,8 @@ def phase_goodput(phase: Literal["prefill", "decode"], tp: int, pp: int, seed: T
 
 def tightest_slo_scale(placement: Placement, req: Requests, env: SimEnv, slo: SloTarget, *,
                        rel_tol: float = 0.005) -> float:
-    """Smallest k such that ``slo`` scaled by k is met at the trace's rate (DistServe Fig. 8 bottom)."""
+    """Smallest k such that ``slo`` scaled by k is met at the trace's rate (DistServe Fig. 8
+    bottom)."""
     tl = simulate(placement, req, env)
     ttft, tpot = latencies(tl, env.definition, isinstance(placement, Colocated))
     # Attainment at scale k is monotone in k: bisect on k over the one simulation.

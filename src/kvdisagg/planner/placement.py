@@ -29,14 +29,19 @@ class Disaggregated(msgspec.Struct, tag="disaggregated", frozen=True, kw_only=Tr
 
     @property
     def num_gpus(self) -> int:
-        per = self.num_prefill * self.prefill_tp * self.prefill_pp + self.num_decode * self.decode_tp * self.decode_pp
+        per = (
+            self.num_prefill * self.prefill_tp * self.prefill_pp
+            + self.num_decode * self.decode_tp * self.decode_pp
+        )
         return per * self.pp_cross
 
     def describe(self) -> str:
         cross = f" x{self.pp_cross} nodes (pp_cross)" if self.pp_cross > 1 else ""
-        return (f"{self.num_prefill} prefill TP{self.prefill_tp}PP{self.prefill_pp * self.pp_cross} + "
-                f"{self.num_decode} decode TP{self.decode_tp}PP{self.decode_pp * self.pp_cross}"
-                f"{cross} ({self.num_gpus} GPUs)")
+        return (
+            f"{self.num_prefill} prefill TP{self.prefill_tp}PP{self.prefill_pp * self.pp_cross} + "
+            f"{self.num_decode} decode TP{self.decode_tp}PP{self.decode_pp * self.pp_cross}"
+            f"{cross} ({self.num_gpus} GPUs)"
+        )
 
 
 class Colocated(msgspec.Struct, tag="colocated", frozen=True, kw_only=True):

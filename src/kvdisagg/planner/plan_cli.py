@@ -15,15 +15,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--affinity", choices=["high", "low"], default="high",
                    help="high: fast links between nodes (phases placed independently); "
                         "low: KV must stay in a node (prefill and decode segments share nodes)")
-    p.add_argument("--rate", type=float, help="required rate, req/s: replicate the best unit to meet it")
+    p.add_argument(
+        "--rate", type=float, help="required rate, req/s: replicate the best unit to meet it"
+    )
     p.add_argument("--colocated-profile", metavar="FILE",
                    help="profile for the colocated baseline (default: --profile)")
-    p.add_argument("--base-port", type=int, default=8100, help="first instance port in the commands")
+    p.add_argument(
+        "--base-port", type=int, default=8100, help="first instance port in the commands"
+    )
     p.add_argument("--proxy-port", type=int, default=8000, help="the proxy's port in the commands")
-    p.add_argument("--device", choices=["gpu", "cpu"], default="gpu",
-                   help="what a 'GPU' of the plan is in the launch lines: a GPU "
-                        "(CUDA_VISIBLE_DEVICES, vllm serve) or a CPU core (VLLM_CPU_OMP_THREADS_BIND, "
-                        "one core per rank)")
+    p.add_argument(
+        "--device",
+        choices=["gpu", "cpu"],
+        default="gpu",
+        help="what a 'GPU' of the plan is in the launch lines: a GPU "
+        "(CUDA_VISIBLE_DEVICES, vllm serve) or a CPU core (VLLM_CPU_OMP_THREADS_BIND, "
+        "one core per rank)",
+    )
     p.add_argument("--hosts", metavar="ADDR[,ADDR...]",
                    help="each node's address, in order (default: 127.0.0.1 for a one-node plan, "
                         "<nodeK> placeholders otherwise)")
@@ -49,7 +57,9 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--rate must be > 0, got {args.rate}")
         col_env = None
         if args.colocated_profile:
-            col_env = msgspec.structs.replace(env, profile=resolve_profile(args.colocated_profile, args.model))
+            col_env = msgspec.structs.replace(
+                env, profile=resolve_profile(args.colocated_profile, args.model)
+            )
         result = plan(seed, env, slo, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
                       affinity=args.affinity, rate=args.rate, colocated_env=col_env)
     except ConfigError as exc:
@@ -75,15 +85,23 @@ def run(args: argparse.Namespace) -> int:
         out["slo"] = msgspec.to_builtins(slo)
         sys.stdout.write(msgspec.json.encode(out).decode() + "\n")
         return 0
-    print(f"model {profile.model} ({profile.engine}, {profile.hardware}); {args.requests} requests of "
-          f"{args.workload}; TTFT<={args.ttft_slo:g}s TPOT<={args.tpot_slo:g}s at {slo.attainment:.0%}; "
-          f"{args.gpus} GPUs, {args.affinity} affinity")
-    print(f"best unit : {result.unit.placement.describe()}  goodput {result.unit.goodput:.3f} req/s "
-          f"= {result.unit.per_gpu:.3f} req/s/GPU")
+    print(
+        f"model {profile.model} ({profile.engine}, {profile.hardware}); "
+        f"{args.requests} requests of {args.workload}; "
+        f"TTFT<={args.ttft_slo:g}s TPOT<={args.tpot_slo:g}s at {slo.attainment:.0%}; "
+        f"{args.gpus} GPUs, {args.affinity} affinity"
+    )
+    print(
+        f"best unit : {result.unit.placement.describe()}  goodput {result.unit.goodput:.3f} req/s "
+        f"= {result.unit.per_gpu:.3f} req/s/GPU"
+    )
     print(f"deployment: {result.replicas} x unit = {result.deployment.describe()}  "
           f"predicted {result.predicted_goodput:.3f} req/s")
     if result.meets_rate is not None:
-        print(f"rate {args.rate:g} req/s: {'met' if result.meets_rate else 'NOT met within the GPU budget'}")
+        print(
+            f"rate {args.rate:g} req/s: "
+            f"{'met' if result.meets_rate else 'NOT met within the GPU budget'}"
+        )
     if result.colocated is not None:
         c = result.colocated
         ratio = result.unit.per_gpu / c.per_gpu if c.per_gpu > 0 else float("inf")

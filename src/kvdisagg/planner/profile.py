@@ -75,8 +75,15 @@ class LatencySample(msgspec.Struct, frozen=True, kw_only=True):
         For decode, ``input_len`` is each request's context length (tokens already cached).
         """
         if phase == "prefill":
-            return cls(phase=phase, batch_size=batch_size, num_tokens=batch_size * input_len,
-                       sum_sq_tokens=batch_size * input_len * input_len, seconds=seconds, tp=tp, pp=pp)
+            return cls(
+                phase=phase,
+                batch_size=batch_size,
+                num_tokens=batch_size * input_len,
+                sum_sq_tokens=batch_size * input_len * input_len,
+                seconds=seconds,
+                tp=tp,
+                pp=pp,
+            )
         return cls(phase=phase, batch_size=batch_size, num_tokens=batch_size * (input_len + 1),
                    seconds=seconds, tp=tp, pp=pp)
 
@@ -145,7 +152,9 @@ def save_profile(profile: Profile, path: str | Path) -> None:
     Path(path).write_bytes(msgspec.json.format(msgspec.json.encode(profile), indent=1) + b"\n")
 
 
-def load_profile(path: str | Path, *, model: str | None = None, engine: str = "distserve") -> Profile:
+def load_profile(
+    path: str | Path, *, model: str | None = None, engine: str = "distserve"
+) -> Profile:
     """Load our profile file, or a DistServe ``profiler-*.json`` (then ``model`` is required).
 
     A DistServe file is recognised by its layout (``{model: {tp: {"prefill": ...}}}``); its KV
@@ -254,24 +263,46 @@ def fit_profile(
         dec = [s for s in group if s.phase == "decode"]
         if len(pre) < 3 or len(dec) < 3:
             raise ConfigError(
-                f"fit_profile: tp={tp} pp={pp} has {len(pre)} prefill and {len(dec)} decode samples; "
-                "need at least 3 of each (measure more batch sizes/lengths)")
-        prefill = _fit([(1.0, s.num_tokens, s.squares()) for s in pre], [s.seconds * 1e3 for s in pre])
+                f"fit_profile: tp={tp} pp={pp} has {len(pre)} prefill and {len(dec)} decode "
+                "samples; "
+                "need at least 3 of each (measure more batch sizes/lengths)"
+            )
+        prefill = _fit(
+            [(1.0, s.num_tokens, s.squares()) for s in pre], [s.seconds * 1e3 for s in pre]
+        )
         small = [s for s in dec if s.batch_size < decode_bs_threshold]
         large = [s for s in dec if s.batch_size >= decode_bs_threshold]
         if len(small) < 3:
             small = dec
-        d_small = _fit([(1.0, s.num_tokens, s.batch_size) for s in small], [s.seconds * 1e3 for s in small])
+        d_small = _fit(
+            [(1.0, s.num_tokens, s.batch_size) for s in small], [s.seconds * 1e3 for s in small]
+        )
         d_large = d_small
         if len(large) >= 3:
             d_large = _fit([(1.0, s.num_tokens, s.batch_size) for s in large],
                            [s.seconds * 1e3 for s in large])
-        cap = max_num_tokens.get((tp, pp)) if isinstance(max_num_tokens, Mapping) else max_num_tokens
-        configs.append(ParallelProfile(tp=tp, pp=pp, prefill=prefill, decode_small=d_small,
-                                       decode_large=d_large, decode_bs_threshold=decode_bs_threshold,
-                                       max_num_tokens=cap))
-    return Profile(model=model, hardware=hardware, engine=engine, kv_bytes_per_token=kv_bytes_per_token,
-                   source=source, configs=tuple(configs))
+        cap = (
+            max_num_tokens.get((tp, pp)) if isinstance(max_num_tokens, Mapping) else max_num_tokens
+        )
+        configs.append(
+            ParallelProfile(
+                tp=tp,
+                pp=pp,
+                prefill=prefill,
+                decode_small=d_small,
+                decode_large=d_large,
+                decode_bs_threshold=decode_bs_threshold,
+                max_num_tokens=cap,
+            )
+        )
+    return Profile(
+        model=model,
+        hardware=hardware,
+        engine=engine,
+        kv_bytes_per_token=kv_bytes_per_token,
+        source=source,
+        configs=tuple(configs),
+    )
 
 
 def _fit(rows: Sequence[tuple[float, float, float]], y_ms: Sequence[float]) -> Coeffs:

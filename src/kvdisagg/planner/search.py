@@ -89,7 +89,9 @@ class Searcher:
     def phase_rate(self, phase: Literal["prefill", "decode"], tp: int, pp: int) -> float:
         key = (phase, tp, pp)
         if key not in self._phase:
-            r = phase_goodput(phase, tp, pp, self.phase_seed, self.env, self.slo, rel_tol=max(self.rel_tol, 0.02))
+            r = phase_goodput(
+                phase, tp, pp, self.phase_seed, self.env, self.slo, rel_tol=max(self.rel_tol, 0.02)
+            )
             self.simulations += r.simulations
             self._phase[key] = r.rate
         return self._phase[key]
@@ -98,8 +100,12 @@ class Searcher:
         if placement not in self._joint:
             r = goodput(placement, self.seed, self.env, self.slo, start=start, rel_tol=self.rel_tol)
             self.simulations += r.simulations
-            self._joint[placement] = Candidate(placement=placement, goodput=r.rate,
-                                               per_gpu=r.rate / placement.num_gpus, attainment=r.attainment)
+            self._joint[placement] = Candidate(
+                placement=placement,
+                goodput=r.rate,
+                per_gpu=r.rate / placement.num_gpus,
+                attainment=r.attainment,
+            )
         return self._joint[placement]
 
     def verify(self, estimates: Iterable[tuple[float, Disaggregated]]) -> list[Candidate]:
@@ -117,7 +123,9 @@ def _configs(env: SimEnv, max_gpus: int) -> list[tuple[int, int]]:
     return [(tp, pp) for tp, pp in env.profile.parallel_configs() if tp * pp <= max_gpus]
 
 
-def _ratios(r_p: float, r_d: float, g_p: int, g_d: int, max_gpus: int, max_n: int = 4) -> list[tuple[int, int]]:
+def _ratios(
+    r_p: float, r_d: float, g_p: int, g_d: int, max_gpus: int, max_n: int = 4
+) -> list[tuple[int, int]]:
     """Small (n_p, n_d) near the rate balance ``n_p*r_p ~ n_d*r_d`` that fit in ``max_gpus``."""
     out = []
     for n_p in range(1, max_n + 1):
@@ -130,7 +138,9 @@ def _ratios(r_p: float, r_d: float, g_p: int, g_d: int, max_gpus: int, max_n: in
     return out[:3]
 
 
-def high_affinity_units(s: Searcher, gpus: int, gpus_per_node: int | None = None) -> list[Candidate]:
+def high_affinity_units(
+    s: Searcher, gpus: int, gpus_per_node: int | None = None
+) -> list[Candidate]:
     """Algorithm 1: best prefill and decode configs alone, paired with a ratio, verified jointly.
     Instances stay within a node (what DisaggConnector serves)."""
     per_instance = min(gpus, gpus_per_node or gpus)
@@ -163,10 +173,21 @@ def low_affinity_units(s: Searcher, gpus: int, gpus_per_node: int) -> list[Candi
         for tp_p, pp_p in segs:
             for tp_d, pp_d in segs:
                 g_p, g_d = tp_p * pp_p, tp_d * pp_d
-                for n_p, n_d in _ratios(rated_p[(tp_p, pp_p)], rated_d[(tp_d, pp_d)], g_p, g_d, gpus_per_node):
-                    pl = Disaggregated(prefill_tp=tp_p, prefill_pp=pp_p, decode_tp=tp_d, decode_pp=pp_d,
-                                       num_prefill=n_p, num_decode=n_d, pp_cross=pp_cross)
-                    est = min(n_p * rated_p[(tp_p, pp_p)], n_d * rated_d[(tp_d, pp_d)]) / pl.num_gpus
+                for n_p, n_d in _ratios(
+                    rated_p[(tp_p, pp_p)], rated_d[(tp_d, pp_d)], g_p, g_d, gpus_per_node
+                ):
+                    pl = Disaggregated(
+                        prefill_tp=tp_p,
+                        prefill_pp=pp_p,
+                        decode_tp=tp_d,
+                        decode_pp=pp_d,
+                        num_prefill=n_p,
+                        num_decode=n_d,
+                        pp_cross=pp_cross,
+                    )
+                    est = (
+                        min(n_p * rated_p[(tp_p, pp_p)], n_d * rated_d[(tp_d, pp_d)]) / pl.num_gpus
+                    )
                     estimates.append((est, pl))
     return s.verify(estimates)
 
@@ -193,14 +214,25 @@ def _scaled(p: Disaggregated | Colocated, k: int) -> Disaggregated | Colocated:
     return msgspec.structs.replace(p, num_prefill=p.num_prefill * k, num_decode=p.num_decode * k)
 
 
-def plan(seed: TraceSeed, env: SimEnv, slo: SloTarget, *, gpus: int, gpus_per_node: int | None = None,
-         affinity: Literal["high", "low"] = "high", rate: float | None = None,
-         colocated_env: SimEnv | None = None, rel_tol: float = 0.01) -> Plan:
+def plan(
+    seed: TraceSeed,
+    env: SimEnv,
+    slo: SloTarget,
+    *,
+    gpus: int,
+    gpus_per_node: int | None = None,
+    affinity: Literal["high", "low"] = "high",
+    rate: float | None = None,
+    colocated_env: SimEnv | None = None,
+    rel_tol: float = 0.01,
+) -> Plan:
     """Search placements for ``gpus`` GPUs; ``colocated_env`` may use another profile (DistServe
     compares against vLLM's own profile)."""
     if gpus < 2:
-        raise ConfigError(f"a disaggregated plan needs at least 2 GPUs (one prefill, one decode), got {gpus}; "
-                          "use `kvdisagg simulate --colocated` for a single instance")
+        raise ConfigError(
+            f"a disaggregated plan needs at least 2 GPUs (one prefill, one decode), got {gpus}; "
+            "use `kvdisagg simulate --colocated` for a single instance"
+        )
     t0 = time.perf_counter()
     s = Searcher(seed, env, slo, rel_tol=rel_tol)
     if affinity == "high":
@@ -208,7 +240,9 @@ def plan(seed: TraceSeed, env: SimEnv, slo: SloTarget, *, gpus: int, gpus_per_no
     else:
         units = low_affinity_units(s, gpus, gpus_per_node or gpus)
     if not units:
-        raise ConfigError("no placement meets the SLOs at any rate (try a looser SLO or more GPUs per instance)")
+        raise ConfigError(
+            "no placement meets the SLOs at any rate (try a looser SLO or more GPUs per instance)"
+        )
     best = units[0]
     replicas, meets = _replicate(best, gpus, rate)
     sc = Searcher(seed, colocated_env or env, slo, rel_tol=rel_tol)

@@ -11,7 +11,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvdisagg.planner.cli_common import add_common
 
     add_common(p)
-    p.add_argument("--colocated", action="store_true", help="simulate colocated instances (--tp, --instances)")
+    p.add_argument(
+        "--colocated", action="store_true", help="simulate colocated instances (--tp, --instances)"
+    )
     p.add_argument("--tp", type=int, default=1, help="colocated: tensor parallel size")
     p.add_argument("--instances", type=int, default=1, help="colocated: number of instances")
     p.add_argument("--prefill-tp", type=int, default=1)
@@ -20,7 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-pp", type=int, default=1)
     p.add_argument("--num-prefill", type=int, default=1)
     p.add_argument("--num-decode", type=int, default=1)
-    p.add_argument("--rate", type=float, help="total req/s: report attainment and the tightest SLO scale")
+    p.add_argument(
+        "--rate", type=float, help="total req/s: report attainment and the tightest SLO scale"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,11 +46,20 @@ def run(args: argparse.Namespace) -> int:
         profile, seed, env, slo = load_common(args)
         try:
             placement: Colocated | Disaggregated = (
-                msgspec.convert({"tp": args.tp, "num_instances": args.instances}, Colocated) if args.colocated
-                else msgspec.convert({"prefill_tp": args.prefill_tp, "prefill_pp": args.prefill_pp,
-                                      "decode_tp": args.decode_tp, "decode_pp": args.decode_pp,
-                                      "num_prefill": args.num_prefill, "num_decode": args.num_decode},
-                                     Disaggregated))
+                msgspec.convert({"tp": args.tp, "num_instances": args.instances}, Colocated)
+                if args.colocated
+                else msgspec.convert(
+                    {
+                        "prefill_tp": args.prefill_tp,
+                        "prefill_pp": args.prefill_pp,
+                        "decode_tp": args.decode_tp,
+                        "decode_pp": args.decode_pp,
+                        "num_prefill": args.num_prefill,
+                        "num_decode": args.num_decode,
+                    },
+                    Disaggregated,
+                )
+            )
         except msgspec.ValidationError as exc:
             raise ConfigError(f"placement: {exc}") from exc
         out: dict[str, object] = {"placement": msgspec.to_builtins(placement),
@@ -79,7 +92,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"goodput {out['goodput']:.3f} req/s = {out['per_gpu']:.3f} req/s/GPU at "
               f"{slo.attainment:.0%} attainment (TTFT<={slo.ttft_s:g}s, TPOT<={slo.tpot_s:g}s)")
     else:
-        print(f"rate {args.rate:g} req/s: attainment {out['attainment']:.1%}; TTFT p50/p90 "
-              f"{out['ttft_p50']:.3f}/{out['ttft_p90']:.3f}s, TPOT p50/p90 {out['tpot_p50']:.4f}/"
-              f"{out['tpot_p90']:.4f}s; tightest SLO scale meeting {slo.attainment:.0%}: {out['slo_scale']:.3f}")
+        print(
+            f"rate {args.rate:g} req/s: attainment {out['attainment']:.1%}; TTFT p50/p90 "
+            f"{out['ttft_p50']:.3f}/{out['ttft_p90']:.3f}s, TPOT p50/p90 {out['tpot_p50']:.4f}/"
+            f"{out['tpot_p90']:.4f}s; tightest SLO scale meeting {slo.attainment:.0%}: "
+            f"{out['slo_scale']:.3f}"
+        )
     return 0

@@ -20,8 +20,8 @@ keeps aggregates (batch size, sum of context lengths) and buckets requests by th
 at which they finish, so only arrivals, joins and exits touch a request. When a lone group would
 step with nothing else happening until the next event or exit, those steps are jumped over in
 closed form (their times are an arithmetic series), so light load costs no more than heavy load.
-Thousands of requests simulate in tens of milliseconds. Deterministic: no randomness inside; ties are broken by an
-event sequence number. Must not import ``vllm``.
+Thousands of requests simulate in tens of milliseconds. Deterministic: no randomness inside; ties
+are broken by an event sequence number. Must not import ``vllm``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 
@@ -165,7 +165,9 @@ _STAGE0_FREE, _BATCH_DONE, _XFER_DONE = 0, 1, 2
 class _Prefill:
     """A prefill instance: FCFS batches by token budget; holds KV until decode has pulled it."""
 
-    def __init__(self, sim: _Sim, model: LatencyModel, budget: int, capacity: int, route: object) -> None:
+    def __init__(
+        self, sim: _Sim, model: LatencyModel, budget: int, capacity: int, route: object
+    ) -> None:
         self.sim, self.model, self.budget, self.capacity = sim, model, budget, capacity
         self.route = route  # callable(t, i, src) -> None, or None for prefill-only runs
         self.queue: deque[int] = deque()
@@ -287,8 +289,8 @@ class _Decode:
         if groups:
             groups.sort(key=lambda g: -g.batch)
             g = groups[0]
-            for other in groups[1:]:
-                g.absorb(other)
+            for rest in groups[1:]:
+                g.absorb(rest)
             self.ready = []
         else:
             g = _Group()
@@ -342,7 +344,7 @@ class _Decode:
             if g.batch > 0:
                 self.ready.append(g)
         elif kind == _XFER_DONE:
-            i, src = arg  # type: ignore[misc]
+            i, src = cast("tuple[int, _Prefill | None]", arg)
             self._arrived(t, i, src)
         else:
             self.wake = False
@@ -459,8 +461,13 @@ def _finish(sim: _Sim, steps: np.ndarray) -> Timeline:
 
 
 def simulate_disaggregated(
-    req: Requests, prefill: Sequence[SimInstance], decode: Sequence[SimInstance], *,
-    kv_bytes_per_token: int = 0, link_bytes_per_s: float = math.inf, steps: np.ndarray | None = None,
+    req: Requests,
+    prefill: Sequence[SimInstance],
+    decode: Sequence[SimInstance],
+    *,
+    kv_bytes_per_token: int = 0,
+    link_bytes_per_s: float = math.inf,
+    steps: np.ndarray | None = None,
 ) -> Timeline:
     """Disaggregated fleet. With no prefill instances requests arrive at decode with their KV
     (``prefill_end`` = arrival); with no decode instances they finish at prefill end: the
@@ -469,7 +476,11 @@ def simulate_disaggregated(
         raise ValueError("simulate_disaggregated needs at least one instance")
     st = req.output if steps is None else steps
     sim = _Sim(req, st)
-    xfer = kv_bytes_per_token / link_bytes_per_s if kv_bytes_per_token and math.isfinite(link_bytes_per_s) else 0.0
+    xfer = (
+        kv_bytes_per_token / link_bytes_per_s
+        if kv_bytes_per_token and math.isfinite(link_bytes_per_s)
+        else 0.0
+    )
     decs = [_Decode(sim, s.model, s.cap(), xfer, s.batch_cap()) for s in decode]
 
     def route(t: float, i: int, src: _Prefill | None) -> None:

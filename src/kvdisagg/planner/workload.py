@@ -45,7 +45,11 @@ def load_lengths(spec: str) -> LengthPool:
     accepted: ``prompt_tokens``/``output_tokens``, as in ``kvdisagg bench`` records).
     """
     if spec == "sharegpt":
-        text = resources.files("kvdisagg.planner").joinpath("data/sharegpt_opt13b_lengths.csv").read_text()
+        text = (
+            resources.files("kvdisagg.planner")
+            .joinpath("data/sharegpt_opt13b_lengths.csv")
+            .read_text()
+        )
         return _from_rows("sharegpt", csv.DictReader(text.splitlines()))
     if spec.startswith("fixed:"):
         try:
@@ -76,7 +80,9 @@ def _from_rows(name: str, rows: object) -> LengthPool:
             p = int(row.get("prompt_len", row.get("prompt_tokens")))
             o = int(row.get("output_len", row.get("output_tokens")))
         except (TypeError, ValueError, AttributeError) as exc:
-            raise ConfigError(f"workload {name}: row {row!r} lacks integer prompt_len/output_len") from exc
+            raise ConfigError(
+                f"workload {name}: row {row!r} lacks integer prompt_len/output_len"
+            ) from exc
         if p < 1 or o < 1:
             raise ConfigError(f"workload {name}: row {row!r} has a length < 1")
         prompt.append(p)

@@ -19,7 +19,7 @@ Bodies are msgspec Structs (unknown keys refused). With a key (``admin.key_file`
 from __future__ import annotations
 
 import hmac
-from typing import Callable
+from collections.abc import Callable
 
 import msgspec
 from aiohttp import web
@@ -92,7 +92,7 @@ def make_admin_app(cfg: ProxyConfig, registry: Registry,
                 "message": f"bad admin request: {exc}", "type": "invalid_request_error",
                 "param": None, "code": 400}}), content_type="application/json") from None
 
-    def guarded(handler):  # type: ignore[no-untyped-def]
+    def guarded(handler):
         async def wrapper(request: web.Request) -> web.StreamResponse:
             if not authorized(request):
                 return error_response(401, "admin API needs Authorization: Bearer <admin key>",

@@ -109,10 +109,12 @@ def make_app(prefill_urls: list[str] | None = None, decode_urls: list[str] | Non
         return web.Response(text=metrics.render(registry),
                             content_type="text/plain", charset="utf-8")
 
+    loop: asyncio.AbstractEventLoop | None = None
+
     def follow(event: MemberEvent, inst: Instance) -> None:
         """The cache index follows the fleet: new members watched, removed ones dropped, one
         that came back (maybe restarted) resynced."""
-        assert index is not None
+        assert index is not None and loop is not None  # registered at start-up
         if event is MemberEvent.ADDED:
             loop.create_task(index.watch(inst.url, inst.role.value))
         elif event is MemberEvent.REMOVED:
@@ -138,8 +140,6 @@ def make_app(prefill_urls: list[str] | None = None, decode_urls: list[str] | Non
         if index is not None:
             await index.close()
         tracer.shutdown()
-
-    loop: asyncio.AbstractEventLoop | None = None
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
@@ -212,7 +212,9 @@ def run_proxy(prefill: list[str], decode: list[str], host: str = "127.0.0.1", po
 
 
 def run(cfg: ProxyConfig) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency off Windows

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger("kvdisagg.proxy")
 

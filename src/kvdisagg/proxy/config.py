@@ -280,7 +280,7 @@ class ProxyConfig(_Base):
     """OTLP/HTTP collector (``http://host:4318``) for each request's spans, joined by the
     instances' (their connector's ``otlp_traces_endpoint``); '' (default): no spans."""
 
-    def validate(self) -> "ProxyConfig":
+    def validate(self) -> ProxyConfig:
         """The checked config (bounds, types, URLs, policy names); the message names the key.
 
         Structs built in code skip msgspec's checks, so they are converted once here.

@@ -23,7 +23,8 @@ A wrong prediction costs latency, never a request: decode computes what it lacks
 from __future__ import annotations
 
 import enum
-from typing import NamedTuple, Protocol, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
 
 from kvdisagg.proxy.body import ClientBody
 from kvdisagg.proxy.config import ProxyConfig

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -58,7 +59,7 @@ async def serve_prompts(s: Serving, request: web.Request,
     return _merge_bodies(s, ctx, opened)
 
 
-async def _all_opened(tasks: list[asyncio.Future[Any]]) -> list[Opened] | web.Response:
+async def _all_opened(tasks: Sequence[asyncio.Future[Any]]) -> list[Opened] | web.Response:
     """Every prompt's decode leg, or the first error (the others closed)."""
     pending = set(tasks)
     error: web.Response | None = None
@@ -192,8 +193,9 @@ async def _merge_streams(s: Serving, request: web.Request, ctx: RequestCtx,
         except UpstreamError as exc:
             o.leg.fail(kind_of(exc), outcome_of(exc))
             log.warning("request %s: decode %s failed mid-stream: %s", ctx.rid, o.inst.url, exc)
-            raise _StreamFailed(error_event(504 if isinstance(exc, UpstreamTimeout) else 502,
-                                            f"decode {o.inst.url} failed mid-stream: {exc}"))
+            raise _StreamFailed(
+                error_event(504 if isinstance(exc, UpstreamTimeout) else 502,
+                            f"decode {o.inst.url} failed mid-stream: {exc}")) from exc
         except _StreamFailed:
             o.resp.close()
             o.leg.fail(FailKind.ERROR_EVENT, Outcome.BROKEN)

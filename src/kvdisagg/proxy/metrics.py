@@ -12,11 +12,15 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from kvdisagg.proxy.config import SloConfig
 from kvdisagg.proxy.registry import Registry
 from kvdisagg.proxy.types import Side
+
+if TYPE_CHECKING:
+    from kvdisagg.proxy.cache_index import CacheIndex
 
 P = "kvdisagg_proxy_"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -68,7 +72,8 @@ class Metrics:
         self.routes: dict[tuple[str, str], int] = {}
         self.migrations: dict[str, int] = {}
         self.predicted_hits: dict[str, int] = {}
-        self.cache = None  # the cache index (app.py sets it), for its per-instance gauges
+        # the cache index (app.py sets it), for its per-instance gauges
+        self.cache: CacheIndex | None = None
         self.rejections: dict[str, int] = {}
         self.discovery_errors: dict[tuple[str, str], int] = {}
         self.ttft = Histogram(P + "ttft_seconds", "Time to first token (streaming).",
@@ -178,8 +183,8 @@ class Metrics:
                          inst.retries[side])
                     add(f"{P}{fam}{_labels(instance=inst.url, side=side.value)} {v}\n")
         add(f"# TYPE {P}instance_errors_total counter\n")
-        for (url, side, kind), n in sorted(self.errors.items()):
-            add(f"{P}instance_errors_total{_labels(instance=url, side=side, kind=kind)} {n}\n")
+        for (url, side_name, kind), n in sorted(self.errors.items()):
+            add(f"{P}instance_errors_total{_labels(instance=url, side=side_name, kind=kind)} {n}\n")
         add(f"# TYPE {P}instance_healthy gauge\n")
         for inst in insts:
             add(f"{P}instance_healthy{_labels(instance=inst.url, role=inst.role.value)} "
@@ -209,8 +214,8 @@ class Metrics:
             add(f"{P}rejected_total{_labels(reason=reason)} {n}\n")
         add(f"# HELP {P}discovery_errors_total Failed discovery lookups (last good answer kept).\n"
             f"# TYPE {P}discovery_errors_total counter\n")
-        for (side, src), n in sorted(self.discovery_errors.items()):
-            add(f"{P}discovery_errors_total{_labels(side=side, source=src)} {n}\n")
+        for (side_name, src), n in sorted(self.discovery_errors.items()):
+            add(f"{P}discovery_errors_total{_labels(side=side_name, source=src)} {n}\n")
         for h in (self.ttft, self.tpot, self.e2e, self.handoff, self.decode_first_token):
             h.render(out)
         add(f"# TYPE {P}slo_requests_total counter\n{P}slo_requests_total {self.slo_requests}\n")

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import enum
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple, Protocol, Sequence
+from typing import ClassVar, NamedTuple, Protocol
 
 from kvdisagg.proxy.config import PolicyConfig, SloConfig
 from kvdisagg.proxy.types import PolicyName, Side

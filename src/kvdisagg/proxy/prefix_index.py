@@ -5,8 +5,9 @@ Pure data structure: no I/O, no asyncio; the proxy's event loop is the only call
 
 **Keys: our own chained hash of each block's token ids, not vLLM's block hash.** A block's key is
 a keyed 64-bit ``blake2b(parent key, the block's token ids, the block's extra keys)``, so a key
-names a whole prefix, as vLLM's hash does. Why not reproduce vLLM's hash: it depends on per-instance settings
-the proxy cannot see or cannot reproduce (``--prefix-caching-hash-algo``: sha256, sha256_cbor,
+names a whole prefix, as vLLM's hash does. Why not reproduce vLLM's hash: it depends on
+per-instance settings the proxy cannot see or cannot reproduce
+(``--prefix-caching-hash-algo``: sha256, sha256_cbor,
 xxhash, xxhash_cbor; the seed: fixed for sha256, *random per process* for the xxhash variants
 unless ``PYTHONHASHSEED`` is set; ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` truncating to 64
 bits), and a fleet may mix them. Events carry each block's ``token_ids`` and the vLLM hash of

@@ -194,9 +194,13 @@ class Instance:
 
     def _set_healthy(self, healthy: bool) -> None:
         if healthy != self.healthy:
-            (log.info if healthy else log.warning)("instance %s (%s) is now %s%s", self.url, self.role.value,
-                        "healthy" if healthy else "unhealthy",
-                        "" if healthy else f": {self.last_probe_error}")
+            (log.info if healthy else log.warning)(
+                "instance %s (%s) is now %s%s",
+                self.url,
+                self.role.value,
+                "healthy" if healthy else "unhealthy",
+                "" if healthy else f": {self.last_probe_error}",
+            )
         recovered = healthy and not self.healthy and self.probed_unhealthy
         self.probed_unhealthy = self.probed_unhealthy or not healthy
         self.healthy = healthy
@@ -343,7 +347,8 @@ class Registry:
                 log.exception("health probe round failed")
 
     async def start(self) -> None:
-        """Probe until a decode instance is up or ``startup_timeout_s`` passes, then keep probing."""
+        """Probe until a decode instance is up or ``startup_timeout_s`` passes, then keep
+        probing."""
         deadline = time.monotonic() + self.cfg.health.startup_timeout_s
         while True:
             await self.probe_all()

@@ -103,7 +103,7 @@ class Serving:
         endpoint = "chat" if chat else "completions"
         if self.shutting_down:  # a kept-alive client after the listener closed: go elsewhere
             m.request_done(endpoint, "shed")
-            resp = self.reject(503, "shutting_down", "proxy is shutting down")
+            resp: web.StreamResponse = self.reject(503, "shutting_down", "proxy is shutting down")
             resp.headers["Connection"] = "close"
             return resp
         limit = self.cfg.max_in_flight

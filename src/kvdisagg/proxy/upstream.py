@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from urllib.parse import urlsplit
 
 import httptools
@@ -31,7 +31,7 @@ class _Conn(asyncio.Protocol):
                  "buffered", "done", "waiter", "error", "paused", "got_bytes", "keep_alive",
                  "sink", "last_data", "blocked")
 
-    def __init__(self, pool: "Pool") -> None:
+    def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
         self.closed = False

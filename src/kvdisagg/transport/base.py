@@ -19,7 +19,7 @@ import importlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from kvdisagg.errors import ConfigError
 
@@ -168,5 +168,6 @@ def transport_class(name: str) -> type[Transport]:
 
 
 def load_transport(config: ConnectorConfig, tp_rank: int = 0) -> Transport:
-    return transport_class(config.transport)(config, tp_rank)
+    cls: Any = transport_class(config.transport)  # the Protocol declares no __init__
+    return cls(config, tp_rank)
 

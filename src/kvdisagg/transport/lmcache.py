@@ -165,7 +165,7 @@ class LMCacheClient:
         except TransportError:
             self.close()
             raise
-        except socket.timeout:
+        except TimeoutError:
             self.close()
             raise TransferTimeout(f"{deadline.what}: LMCache server {self.url} did not answer "
                                   f"within {deadline.seconds:.1f}s") from None
@@ -414,8 +414,10 @@ class LMCacheTransport:
         for layer in prefill.layers(stage, self.geometry.layers):
             i = index.get(layer, -1) if layer in part.layers else -1
             if i >= 0 and part.dst_head + part.heads > self.regions[i].heads:
-                raise TransferFailed(f"lmcache: heads {part.dst_head}..{part.dst_head + part.heads - 1}"
-                                     f" are not held here")
+                raise TransferFailed(
+                    f"lmcache: heads {part.dst_head}..{part.dst_head + part.heads - 1}"
+                    f" are not held here"
+                )
             out.append(_ChunkLayer(part.src_width * head, i, part.src_head * head,
                                    part.heads * head if i >= 0 else 0, part.dst_head * head))
         return out
@@ -436,6 +438,7 @@ class LMCacheTransport:
                 parts.extend(discard(page) for _ in blocks)
                 continue
             host, mine = self._host[i], self.regions[i]
+            assert host is not None  # called only when every layer's pages are host memory
             for b in blocks:
                 if b not in dst:
                     parts.append(discard(page))

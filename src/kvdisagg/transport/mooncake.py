@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any, ClassVar, Sequence
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import msgspec
 

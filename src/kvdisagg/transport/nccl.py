@@ -13,7 +13,8 @@ messages of two pulls never interleave.
 A pull is a few gathered messages, not one message per CopyRun: both sides cut the same CopyRun
 list into the same Messages (plan_messages: each layer's block rows in run order, consecutive
 layers packed together, capped at MESSAGE_BYTES). A row is the pull's Slice of a block: the
-whole page, or the window of the heads read when the two sides' TP differ (same size on both). Prefill gathers a message's rows into one
+whole page, or the window of the heads read when the two sides' TP differ (same size on both).
+Prefill gathers a message's rows into one
 buffer on the KV's device and sends it; decode receives into one buffer and scatters the rows
 into its blocks (on CUDA ``index_select`` / ``index_copy_`` per layer; on CPU a ``memmove`` per
 span, see _host_copy). A side whose rows of a message are one range of consecutive blocks (decode's
@@ -34,7 +35,8 @@ import secrets
 import socket
 import time
 from collections import deque
-from typing import Any, ClassVar, NamedTuple, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar, NamedTuple
 
 import msgspec
 import torch
@@ -316,7 +318,7 @@ def _host_copy(region: LayerRegion, ids: Sequence[int], buf: int, into_kv: bool,
         else:
             kv = region.stage.data_ptr() + (first - n) * page
         if nbytes == page:
-            pieces = ((kv, count * page),)
+            pieces: Iterable[tuple[int, int]] = ((kv, count * page),)
         else:
             pieces = ((kv + k * page + offset, nbytes) for k in range(count))
         for at, length in pieces:

@@ -52,8 +52,9 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, NamedTuple, Sequence
+from typing import Any, ClassVar, NamedTuple
 
 from kvdisagg.config import ConnectorConfig
 from kvdisagg.errors import (
@@ -388,7 +389,7 @@ class PullTransport:
                                           layers=list(plan.layers),
                                           heads=list(plan.heads) if plan.heads[1] else []))
                     reply = recv_frame(sock)
-                except socket.timeout:
+                except TimeoutError:
                     raise
                 except (OSError, TransferFailed) as exc:
                     raise _StaleConnection(str(exc)) from None
@@ -418,7 +419,7 @@ class PullTransport:
             if mismatch:
                 raise ChecksumMismatch(mismatch)
             return nbytes
-        except socket.timeout:
+        except TimeoutError:
             raise TransferTimeout(f"{deadline.what}: prefill silent for "
                                   f"{deadline.seconds:.1f}s") from None
         except TransportError:

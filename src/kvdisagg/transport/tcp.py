@@ -9,7 +9,8 @@ each block. CUDA KV goes through a host copy per span (use nccl or mooncake betw
 from __future__ import annotations
 
 import socket
-from typing import Any, ClassVar, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
 
 from kvdisagg.layout import LayerRegion, span_tensor, spans
 from kvdisagg.protocol import recv_into_views, send_views
@@ -51,7 +52,7 @@ class TcpTransport(PullTransport):
                     raise ValueError(f"block {first} is past layer {layer}'s pages, no arena")
                 here, first = arena, first - num_blocks
             if nbytes == page:  # whole pages: the run is one range
-                pieces = ((first * page, count * page),)
+                pieces: Iterable[tuple[int, int]] = ((first * page, count * page),)
             else:  # a window of each block (some of its heads)
                 pieces = ((b * page + offset, nbytes) for b in range(first, first + count))
             for at, length in pieces:
