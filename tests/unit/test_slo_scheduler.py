@@ -1,5 +1,5 @@
 """kvdisagg.slo_scheduler.SloScheduler driven as vLLM drives it: vLLM's real Scheduler machinery with
-DisaggConnector, through tests/unit/vllm_harness.py (the harness builds ``Scheduler``; here it
+DisaggConnector, through tests/support/vllm_harness.py (the harness builds ``Scheduler``; here it
 builds the class ``--scheduler-cls kvdisagg.slo_scheduler.SloScheduler`` resolves to). No processes,
 no model: the workers are emulated by the harness. Settings come through $KVDISAGG_SCHEDULER
 (the connector refuses keys it does not know in kv_connector_extra_config)."""
@@ -22,8 +22,8 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 from kvdisagg.errors import ConfigError  # noqa: E402
 from kvdisagg.slo_scheduler import (ENV_VAR, SLO_PARAMS_KEY, AsyncSloScheduler,  # noqa: E402
                                 SchedulerSettings, SloScheduler, SloStats, load_settings)
-from tests.unit import vllm_harness  # noqa: E402
-from tests.unit.vllm_harness import SchedulerHarness, Step, cleanup_model_dir  # noqa: E402
+from tests.support import vllm_harness  # noqa: E402
+from tests.support.vllm_harness import SchedulerHarness, Step, cleanup_model_dir  # noqa: E402
 
 SCHEDULER_CLS = "kvdisagg.slo_scheduler.SloScheduler"
 REMOTE_DECODE = {"do_remote_decode": True}

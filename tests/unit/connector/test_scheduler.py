@@ -29,7 +29,7 @@ from kvdisagg.connector.leases import Held  # noqa: E402
 from kvdisagg.connector.metadata import DisaggWorkerMeta, WorkerHandshake  # noqa: E402
 from kvdisagg.protocol import (Done, Hello, Message, RemotePrefill, Renew, Reply,  # noqa: E402
                                recv_frame, send_frame)
-from tests.unit.vllm_harness import (HANDSHAKE_PORT, KV_LAYOUT, SAMPLED_TOKEN_ID,  # noqa: E402
+from tests.support.vllm_harness import (HANDSHAKE_PORT, KV_LAYOUT, SAMPLED_TOKEN_ID,  # noqa: E402
                                      TRANSPORT, EmulatedWorkers, SchedulerHarness,
                                      cleanup_model_dir, closed_port, is_blocked_on_kv,
                                      remote_prefill_params)

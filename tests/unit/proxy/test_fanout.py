@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 from kvdisagg.proxy.app import SERVING
 from kvdisagg.proxy.config import DecisionConfig, RetryConfig, SloConfig
-from tests.unit.test_proxy import metric, proxy, run
+from tests.unit.proxy.test_serving import metric, proxy, run
 
 PROMPTS = ["#first prompt", "#second one", "#third"]
 
