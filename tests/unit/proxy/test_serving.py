@@ -353,6 +353,32 @@ def test_client_disconnect_aborts_upstream() -> None:
     run(t())
 
 
+def test_health_probes_mark_unhealthy_and_recover() -> None:
+    async def t() -> None:
+        async with proxy(n_prefill=2, health=HealthConfig(interval_s=0.1, timeout_s=0.5,
+                                                          failure_threshold=2,
+                                                          success_threshold=2)) as env:
+            env.prefill[1].health_status = 503
+            await asyncio.sleep(0.6)
+            r = await env.admin.get("/admin/list")
+            rows = {i["url"]: i for i in (await r.json())["instances"]}
+            assert rows[env.urls["p1"]]["healthy"] is False
+            assert "503" in rows[env.urls["p1"]]["last_probe_error"]
+            for _ in range(4):
+                assert (await env.client.post("/v1/completions", json=GEN)).status == 200
+            assert len(env.prefill[1].seen) == 0 and len(env.prefill[0].seen) == 4
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_instance_healthy", instance=env.urls["p1"]) == 0
+            env.prefill[1].health_status = 200
+            await asyncio.sleep(0.6)
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_instance_healthy", instance=env.urls["p1"]) == 1
+            for _ in range(4):
+                assert (await env.client.post("/v1/completions", json=GEN)).status == 200
+            assert len(env.prefill[1].seen) == 2
+    run(t())
+
+
 def test_slo_aware_sheds_with_429_when_no_instance_meets_ttft() -> None:
     async def t() -> None:
         async with proxy(policy=PolicyConfig(prefill="slo_aware", decode="slo_aware"),
