@@ -255,5 +255,5 @@ def test_admin_is_a_kvdisagg_command() -> None:
     from kvdisagg.cli import COMMANDS
     from kvdisagg.proxy import admin_cli
     from kvdisagg.proxy.config import ADMIN_KEY_ENV
-    assert COMMANDS["admin"] == "kvdisagg.proxy.admin_cli"
+    assert COMMANDS["admin"].module == "kvdisagg.proxy.admin_cli"
     assert admin_cli.KEY_ENV == ADMIN_KEY_ENV  # the client and the proxy read one variable
