@@ -1,6 +1,6 @@
 """The prefill side of a transport in its own process, driven by JSON lines on stdin.
 
-The conformance tests (tests/unit/test_transport_conformance.py) and the transfer benchmark run
+The conformance tests (tests/unit/transport/test_conformance.py) and the transfer benchmark run
 the decode side in their own process against this one, so every transport is exercised across
 a real process boundary with the same seeded KV on both ends:
 

@@ -1,8 +1,8 @@
 """kvdisagg.slo_scheduler.SloScheduler driven as vLLM drives it: vLLM's real Scheduler machinery
-with DisaggConnector, through tests/unit/vllm_harness.py (the harness builds ``Scheduler``; here it
-builds the class ``--scheduler-cls kvdisagg.slo_scheduler.SloScheduler`` resolves to). No processes,
-no model: the workers are emulated by the harness. Settings come through $KVDISAGG_SCHEDULER
-(the connector refuses keys it does not know in kv_connector_extra_config)."""
+with DisaggConnector, through tests/support/vllm_harness.py (the harness builds ``Scheduler``;
+here it builds the class ``--scheduler-cls kvdisagg.slo_scheduler.SloScheduler`` resolves to).
+No processes, no model: the workers are emulated by the harness. Settings come through
+$KVDISAGG_SCHEDULER (the connector refuses keys it does not know in kv_connector_extra_config)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ from kvdisagg.slo_scheduler import (
     SloStats,
     load_settings,
 )
-from tests.unit import vllm_harness
-from tests.unit.vllm_harness import SchedulerHarness, Step, cleanup_model_dir
+from tests.support import vllm_harness
+from tests.support.vllm_harness import SchedulerHarness, Step, cleanup_model_dir
 
 SCHEDULER_CLS = "kvdisagg.slo_scheduler.SloScheduler"
 REMOTE_DECODE = {"do_remote_decode": True}

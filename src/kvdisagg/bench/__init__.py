@@ -3,7 +3,7 @@
 An open-loop load generator (Poisson arrivals or a replayed trace) streams every request so that
 TTFT and each inter-token gap are seen at the client; SLO attainment, goodput and a rate sweep
 are computed from the per-request records. The package talks HTTP only: it must not import
-``vllm`` (``tests/unit/test_bench_layering.py`` guards this), so it runs on any client machine.
+``vllm`` (``tests/unit/bench/test_layering.py`` guards this), so it runs on any client machine.
 
 Modules: ``records`` (the JSON-lines and summary Structs), ``workload`` (lengths and arrivals),
 ``client`` (one streamed request), ``runner`` (one open-loop run), ``stats`` (percentiles,

@@ -2,9 +2,9 @@
 format it renders messages in, and the variables it lets request kwargs set.
 
 Ported from vllm/renderers/hf.py (vLLM 0.32, Apache-2.0): ``_detect_content_format`` and the
-helpers it walks the Jinja AST with, and ``resolve_chat_template_kwargs``. tests/unit/
-test_tokens.py checks the port against vLLM's own functions on every template vLLM ships, so a
-vLLM upgrade that changes them fails there. Used by tokens.py only.
+helpers it walks the Jinja AST with, and ``resolve_chat_template_kwargs``.
+tests/unit/proxy/test_tokens.py checks the port against vLLM's own functions on every template
+vLLM ships, so a vLLM upgrade that changes them fails there. Used by tokens.py only.
 """
 
 from __future__ import annotations

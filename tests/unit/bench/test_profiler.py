@@ -13,7 +13,7 @@ from kvdisagg.bench.profiler import Grid, Profiler, kv_bytes_per_token, steady_g
 from kvdisagg.bench.records import RequestRecord
 from kvdisagg.planner.profile import fit_profile
 
-from .test_bench_client import fake, serve
+from .test_client import fake, serve
 
 
 def stream(sent: float, ttft: float, gaps: list[float]) -> RequestRecord:

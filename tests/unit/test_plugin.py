@@ -1,4 +1,5 @@
-"""The plugin's two workarounds for vLLM 0.32 on CPU hosts, on vLLM's real classes."""
+"""The plugin (kvdisagg/plugin.py): its two workarounds for vLLM 0.32 on CPU hosts, on vLLM's real
+classes, how it recognises a DisaggConnector instance, and its OpenMP setting on shared cores."""
 
 from __future__ import annotations
 
@@ -62,3 +63,21 @@ def test_a_later_pipeline_stage_gets_its_receive_buffer(monkeypatch, first_stage
 ])
 def test_a_disagg_instance_is_recognised_by_its_kv_transfer_config(argv, serves):
     assert plugin.serves_disagg_connector(argv) is serves
+
+
+# ---- the plugin's OpenMP setting on shared cores ----------------------------------------------
+
+
+@pytest.mark.parametrize("environ, argv, applied", [
+    ({}, PD_ARGV, True),                                        # vLLM's defaults: shared cores
+    ({"VLLM_CPU_OMP_THREADS_BIND": "auto"}, PD_ARGV, True),
+    ({"VLLM_CPU_OMP_THREADS_BIND": "0"}, PD_ARGV, False),       # own cores: left alone
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, PD_ARGV, False),            # the user's choice wins
+    ({}, ["vllm", "serve", "m"], False),                        # not a kvdisagg instance
+])
+def test_plugin_makes_openmp_wait_passively_only_on_shared_cores(environ, argv, applied):
+    from kvdisagg.plugin import PASSIVE_OMP_ENV, _passive_omp_on_shared_cores
+
+    before = dict(environ)
+    assert _passive_omp_on_shared_cores(environ, argv) is applied
+    assert environ == ({**before, **PASSIVE_OMP_ENV} if applied else before)

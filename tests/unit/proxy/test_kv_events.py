@@ -492,7 +492,7 @@ def test_every_key_is_documented() -> None:
 
     from kvdisagg.proxy.tokens import TokenizerConfig
 
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "configuration.md").read_text()
     keys = [f"cache_index.{f}" for f in CacheIndexConfig.__struct_fields__]
     keys += [f"cache_index.tokenizer.{f}" for f in TokenizerConfig.__struct_fields__]
     missing = [k for k in keys if f"`{k}`" not in doc]

@@ -1,5 +1,5 @@
 """The prefix index (proxy/prefix_index.py) as a pure data structure: events in, predicted
-prefix-cache hits out. The ZMQ side is tests/unit/test_kv_events.py."""
+prefix-cache hits out. The ZMQ side is tests/unit/proxy/test_kv_events.py."""
 
 from __future__ import annotations
 

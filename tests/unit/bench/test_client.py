@@ -183,7 +183,7 @@ def test_cli_compares_endpoints_and_writes_records_summary_plots(tmp_path: Path)
     from kvdisagg.local.servers import free_port
 
     ports = [free_port(), free_port()]
-    root = Path(__file__).resolve().parents[2]  # where ``tests.support`` is importable
+    root = Path(__file__).resolve().parents[3]  # where ``tests.support`` is importable
     fakes = [subprocess.Popen([sys.executable, "-m", "tests.support.fake_vllm", "--port",
                                str(p), "--tokens", "4"], cwd=root) for p in ports]
     try:

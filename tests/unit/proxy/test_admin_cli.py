@@ -35,7 +35,7 @@ from kvdisagg.proxy.registry import Registry, State
 from kvdisagg.proxy.types import Role
 from tests.support.fake_vllm import FakeVllm
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 GEN = {"model": "tiny", "prompt": "hi", "max_tokens": 3}
 KEY = "s3cret-admin-key"
 

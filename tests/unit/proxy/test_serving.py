@@ -1,23 +1,21 @@
-"""Proxy behaviour against fake vLLM upstreams on loopback: handoff, failover, faults, admin,
-metrics. Each fault of issue 4 has a test that asserts what the client and the upstreams saw."""
+"""One client request through the proxy's stages (proxy/serving.py, prefill.py, decode.py, legs.py)
+against fake vLLM upstreams on loopback: handoff, failover, faults, relay. Each fault of issue 4
+has a test that asserts what the client and the upstreams saw."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from kvdisagg.local.servers import free_port
 from kvdisagg.proxy import make_app
-from kvdisagg.proxy.app import ADMIN, REGISTRY
+from kvdisagg.proxy.app import REGISTRY
 from kvdisagg.proxy.config import (
-    AdminConfig,
     BreakerConfig,
     DecisionConfig,
     HealthConfig,
@@ -31,75 +29,9 @@ from kvdisagg.proxy.config import (
 from kvdisagg.proxy.types import Role
 from kvdisagg.tracing import TRACE_PARAMS_KEY, Tracer
 from tests.support.fake_vllm import FakeVllm
+from tests.support.proxy_harness import GEN, Env, metric, proxy, run
 
 FORGED = {"do_remote_prefill": True, "remote_block_ids": [666]}
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith("#") or not line.startswith(name):
-            continue
-        head, value = line.rsplit(" ", 1)
-        if head.split("{", 1)[0] != name:
-            continue
-        if all(f'{k}="{v}"' in head for k, v in labels.items()):
-            total += float(value)
-    return total
-
-
-class Env:
-    def __init__(self, client: TestClient, admin: TestClient, prefill: list[FakeVllm],
-                 decode: list[FakeVllm], urls: dict[str, str]) -> None:
-        self.client, self.admin, self.prefill, self.decode, self.urls = (client, admin, prefill,
-                                                                          decode, urls)
-
-    async def metrics(self) -> str:
-        r = await self.client.get("/metrics")
-        assert r.status == 200
-        return await r.text()
-
-
-@contextlib.asynccontextmanager
-async def proxy(n_prefill: int = 1, n_decode: int = 1, dead_decode: int = 0,
-                tracer: Tracer | None = None, **cfg_kw: Any) -> AsyncIterator[Env]:
-    prefill = [FakeVllm(f"p{i}") for i in range(n_prefill)]
-    decode = [FakeVllm(f"d{i}") for i in range(n_decode)]
-    servers = [TestServer(f.app(), host="127.0.0.1") for f in prefill + decode]
-    for s in servers:
-        await s.start_server()
-    urls = {f.name: str(s.make_url("")).rstrip("/") for f, s in zip(prefill + decode, servers)}
-    instances = ([InstanceSpec(url=urls[f.name], role=Role.PREFILL) for f in prefill]
-                 + [InstanceSpec(url=f"http://127.0.0.1:{free_port()}", role=Role.DECODE)
-                    for _ in range(dead_decode)]
-                 + [InstanceSpec(url=urls[f.name], role=Role.DECODE) for f in decode])
-    cfg_kw.setdefault("timeouts", TimeoutConfig(prefill_s=2.0, decode_connect_s=2.0,
-                                                decode_total_s=10.0, decode_idle_s=1.0))
-    cfg_kw.setdefault("health", HealthConfig(interval_s=0.2, timeout_s=0.5, startup_timeout_s=2.0))
-    # These tests are about the handoff: every request goes through prefill unless a test
-    # is about the per-request decision (test_proxy_decide.py).
-    cfg_kw.setdefault("decision", DecisionConfig(enabled=False))
-    cfg = ProxyConfig(instances=instances, **cfg_kw)
-    app = make_app(config=cfg, tracer=tracer)
-    client = TestClient(TestServer(app, host="127.0.0.1"))
-    admin = TestClient(TestServer(app[ADMIN], host="127.0.0.1"))
-    await client.start_server()
-    await admin.start_server()
-    try:
-        yield Env(client, admin, prefill, decode, urls)
-    finally:
-        await admin.close()
-        await client.close()
-        for s in servers:
-            await s.close()
-
-
-def run(coro: Any) -> None:
-    asyncio.run(coro)
-
-
-GEN = {"model": "tiny", "prompt": "hello there", "max_tokens": 5, "temperature": 0.7,
-       "top_p": 0.9}
 
 
 def test_handoff_passes_body_bytes_through_and_forwards_auth() -> None:
@@ -449,152 +381,6 @@ def test_health_probes_mark_unhealthy_and_recover() -> None:
     run(t())
 
 
-LOOPBACK_ADDS = AdminConfig(allowed_targets=["127.0.0.0/8"])
-
-
-def test_admin_add_drain_remove_list() -> None:
-    async def t() -> None:
-        async with proxy(n_decode=1, admin=LOOPBACK_ADDS) as env:
-            extra = FakeVllm("d-extra")
-            srv = TestServer(extra.app(), host="127.0.0.1")
-            await srv.start_server()
-            url = str(srv.make_url("")).rstrip("/")
-            try:
-                r = await env.admin.post("/admin/add", json={"url": url, "role": "decode"})
-                assert r.status == 201 and (await r.json())["healthy"] is True
-                r = await env.admin.post("/admin/add", json={"url": url, "role": "decode"})
-                assert r.status == 409
-                r = await env.admin.post("/admin/add", json={"url": "ftp://x", "role": "decode"})
-                assert r.status == 400
-                for _ in range(4):
-                    assert (await env.client.post("/v1/completions", json=GEN)).status == 200
-                assert len(extra.seen) == 2
-                # drain while a request is in flight on it: drain waits, the request succeeds
-                extra.delay_s = 0.5
-                env.decode[0].delay_s = 0.5
-                reqs = [asyncio.create_task(env.client.post("/v1/completions", json=GEN))
-                        for _ in range(2)]
-                await asyncio.sleep(0.1)
-                t0 = time.monotonic()
-                r = await env.admin.post("/admin/drain", json={"url": url, "remove": True})
-                body = await r.json()
-                assert body["drained"] is True and time.monotonic() - t0 > 0.2
-                assert [(await q).status for q in reqs] == [200, 200]
-                r = await env.admin.get("/admin/list")
-                assert url not in [i["url"] for i in (await r.json())["instances"]]
-                n = len(extra.seen)
-                assert (await env.client.post("/v1/completions", json=GEN)).status == 200
-                assert len(extra.seen) == n
-                r = await env.admin.post("/admin/remove", json={"url": url})
-                assert r.status == 404
-            finally:
-                await srv.close()
-    run(t())
-
-
-ADMIN_CALLS = [("get", "/admin/list", None),
-               ("post", "/admin/add", {"url": "http://127.0.0.1:9", "role": "decode"}),
-               ("post", "/admin/drain", {"url": "http://127.0.0.1:9"}),
-               ("post", "/admin/undrain", {"url": "http://127.0.0.1:9"}),
-               ("post", "/admin/remove", {"url": "http://127.0.0.1:9"})]
-
-
-def test_admin_api_is_not_on_the_serving_port() -> None:
-    """A client of the OpenAI routes reaches no admin route, whatever it sends."""
-    async def t() -> None:
-        async with proxy(admin=LOOPBACK_ADDS) as env:
-            for method, path, body in ADMIN_CALLS:
-                for headers in ({}, {"Authorization": "Bearer anything"}):
-                    r = await getattr(env.client, method)(path, json=body, headers=headers)
-                    assert r.status in (404, 405), (path, r.status)
-            r = await env.admin.get("/admin/list")
-            assert len((await r.json())["instances"]) == 2  # nothing was added or removed
-            r = await env.client.post("/v1/completions", json=GEN)
-            assert r.status == 200
-            assert len(env.decode[0].seen) == 1
-    run(t())
-
-
-def test_admin_key_from_file_or_environment_guards_every_route(
-        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    key_file = tmp_path / "admin-key"
-    key_file.write_text("s3cret\n")
-
-    async def t(admin: AdminConfig) -> None:
-        async with proxy(admin=admin) as env:
-            for method, path, body in ADMIN_CALLS:
-                for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
-                    r = await getattr(env.admin, method)(path, json=body, headers=headers)
-                    assert r.status == 401, (path, headers, r.status)
-                    assert "Authorization: Bearer" in (await r.json())["error"]["message"]
-            r = await env.admin.get("/admin/list", headers={"Authorization": "Bearer s3cret"})
-            assert r.status == 200 and len((await r.json())["instances"]) == 2
-            assert (await env.client.post("/v1/completions", json=GEN)).status == 200
-    monkeypatch.delenv("KVDISAGG_ADMIN_KEY", raising=False)
-    run(t(AdminConfig(key_file=str(key_file), allowed_targets=["127.0.0.0/8"])))
-    monkeypatch.setenv("KVDISAGG_ADMIN_KEY", "s3cret")
-    run(t(AdminConfig(allowed_targets=["127.0.0.0/8"])))
-
-
-def test_admin_add_only_for_allowed_targets() -> None:
-    async def t() -> None:
-        async with proxy(admin=AdminConfig(allowed_targets=["10.1.0.0/16", "*.vllm.svc"])) as env:
-            for url in ("http://127.0.0.1:9", "http://169.254.169.254:80", "http://10.2.0.1:8000",
-                        "http://metadata.internal:80", "http://vllm.svc:8000",
-                        "http://2130706433:8000"):
-                r = await env.admin.post("/admin/add", json={"url": url, "role": "decode"})
-                assert r.status == 403, url
-                assert "admin.allowed_targets" in (await r.json())["error"]["message"]
-            assert len((await (await env.admin.get("/admin/list")).json())["instances"]) == 2
-        async with proxy() as env:  # the default allows nothing
-            extra = FakeVllm("d-extra")
-            srv = TestServer(extra.app(), host="127.0.0.1")
-            await srv.start_server()
-            try:
-                r = await env.admin.post("/admin/add", json={
-                    "url": str(srv.make_url("")).rstrip("/"), "role": "decode"})
-                assert r.status == 403
-            finally:
-                await srv.close()
-            assert not extra.seen  # not even probed
-    run(t())
-    allowed = AdminConfig(allowed_targets=["10.1.0.0/16", "*.vllm.svc", "decode-0"])
-    assert allowed.allows("http://10.1.2.3:8000") and allowed.allows("http://a.b.vllm.svc:80")
-    assert allowed.allows("http://DECODE-0:8000") and not allowed.allows("http://decode-00:80")
-    assert not allowed.allows("http://[::1]:8000") and not allowed.allows("http://x.svc:80")
-
-
-def test_admin_beyond_loopback_needs_a_key_and_argv_keys_are_refused(
-        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    import argparse
-
-    from kvdisagg.errors import ConfigError
-    from kvdisagg.proxy.cli import add_arguments, config_from_args
-
-    monkeypatch.delenv("KVDISAGG_ADMIN_KEY", raising=False)
-    with pytest.raises(ConfigError, match="beyond loopback and no admin key"):
-        ProxyConfig(admin=AdminConfig(host="0.0.0.0", port=8001)).validate()
-    with pytest.raises(ConfigError, match="listener of its own"):
-        ProxyConfig(port=8000, admin=AdminConfig(port=8000)).validate()
-    with pytest.raises(ConfigError, match=r"admin.allowed_targets\[0\]"):
-        ProxyConfig(admin=AdminConfig(allowed_targets=["10.0.0.0/33"])).validate()
-    with pytest.raises(ConfigError, match="admin.key_file"):
-        ProxyConfig(admin=AdminConfig(host="0.0.0.0", port=8001,
-                                      key_file=str(tmp_path / "missing"))).validate()
-    monkeypatch.setenv("KVDISAGG_ADMIN_KEY", "k")
-    ProxyConfig(admin=AdminConfig(host="0.0.0.0", port=8001)).validate()
-
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    with pytest.raises(ConfigError, match="--admin-key is not accepted"):
-        config_from_args(parser.parse_args(["--decode", "http://127.0.0.1:1", "--admin-key", "k"]))
-    cfg = config_from_args(parser.parse_args([
-        "--decode", "http://127.0.0.1:1", "--admin-port", "8001", "--admin-allow", "10.0.0.0/8",
-        "--admin-allow", "*.svc"]))
-    assert cfg.admin.port == 8001 and cfg.admin.host == "127.0.0.1"
-    assert cfg.admin.allowed_targets == ["10.0.0.0/8", "*.svc"]
-
-
 def test_slo_aware_sheds_with_429_when_no_instance_meets_ttft() -> None:
     async def t() -> None:
         async with proxy(policy=PolicyConfig(prefill="slo_aware", decode="slo_aware"),
@@ -610,27 +396,6 @@ def test_slo_aware_sheds_with_429_when_no_instance_meets_ttft() -> None:
             text = await env.metrics()
             assert metric(text, "kvdisagg_proxy_requests_total", outcome="shed") == 1
             assert metric(text, "kvdisagg_proxy_rejected_total", reason="slo_ttft") == 1
-    run(t())
-
-
-def test_goodput_and_slo_metrics() -> None:
-    async def t() -> None:
-        async with proxy(slo=SloConfig(ttft_s=0.5, tpot_s=0.1)) as env:
-            for stream in (True, True, False):
-                r = await env.client.post("/v1/completions", json={**GEN, "stream": stream})
-                await r.read()
-            env.prefill[0].delay_s = 0.6  # misses TTFT
-            r = await env.client.post("/v1/completions", json={**GEN, "stream": True})
-            await r.read()
-            text = await env.metrics()
-            assert metric(text, "kvdisagg_proxy_slo_requests_total") == 4
-            assert metric(text, "kvdisagg_proxy_slo_met_total", slo="both") == 3
-            assert metric(text, "kvdisagg_proxy_slo_attainment") == pytest.approx(0.75)
-            assert metric(text, "kvdisagg_proxy_goodput_rps") > 0
-            assert metric(text, "kvdisagg_proxy_instance_goodput_rps",
-                          instance=env.urls["d0"]) == metric(text, "kvdisagg_proxy_goodput_rps")
-            assert metric(text, "kvdisagg_proxy_handoff_seconds_count") == 4
-            assert metric(text, "kvdisagg_proxy_e2e_seconds_count") == 4
     run(t())
 
 

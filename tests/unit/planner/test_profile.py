@@ -18,7 +18,7 @@ from kvdisagg.planner.profile import (
     save_profile,
 )
 
-DATA = Path(__file__).resolve().parents[2] / "src/kvdisagg/planner/data/distserve"
+DATA = Path(__file__).resolve().parents[3] / "src/kvdisagg/planner/data/distserve"
 
 
 def _grid(pre, small, large, *, tp=1, noise=0.0, seed=0):

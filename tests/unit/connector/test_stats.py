@@ -1,0 +1,30 @@
+"""The connector's stats (connector/stats.py): observations from several workers aggregate, and
+reduce to what vLLM logs and exports."""
+
+
+def test_phase_observations_aggregate_across_workers_and_reduce_to_means():
+    from kvdisagg.connector.stats import DisaggStats
+
+    a, b = DisaggStats(), DisaggStats()
+    a.observe(transfer=0.002, read=0.001)
+    b.observe(transfer=0.004)
+    b.add(pulls=2)
+    assert DisaggStats().is_empty() and not b.is_empty()
+    merged = a.aggregate(b)
+    assert merged.data["phase_seconds"] == {"transfer": [0.002, 0.004], "read": [0.001]}
+    out = merged.reduce()
+    assert out["transfer_ms_mean"] == 3.0 and out["read_ms_mean"] == 1.0 and out["pulls"] == 2
+    assert "phase_seconds" not in out
+
+
+def test_recomputed_counts_aggregate_and_reduce():
+    from kvdisagg.connector.stats import DisaggStats
+
+    a, b = DisaggStats(), DisaggStats()
+    assert a.is_empty()
+    a.recomputed("load_failed")
+    b.recomputed("load_failed")
+    b.recomputed("not_read")
+    assert not b.is_empty()
+    a.aggregate(b)
+    assert a.reduce()["recomputed_load_failed"] == 2 and a.reduce()["recomputed_not_read"] == 1

@@ -1,0 +1,112 @@
+"""Request migration (proxy/migrate.py, issue 18) against fake vLLM upstreams on loopback: a
+stream whose decode fails mid-way goes on on another decode, and which streams are tapped."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvdisagg.proxy.config import RetryConfig
+from tests.support.proxy_harness import events, metric, proxy, run
+
+
+def token_texts(evs: list[Any], chat: bool = False) -> list[str]:
+    out = []
+    for e in evs:
+        if e == "[DONE]" or "error" in e:
+            continue
+        for c in e.get("choices") or []:
+            text = (c.get("delta") or {}).get("content") if chat else c.get("text")
+            if text:
+                out.append(text)
+    return out
+
+
+def test_stream_migrates_to_another_decode_without_gap_or_duplicate() -> None:
+    async def t(chat: bool) -> None:
+        async with proxy(n_decode=2) as env:
+            for d in env.decode:
+                d.use_max_tokens = True
+            env.decode[0].die_after = 3  # the decision's round robin starts with d0
+            body: dict[str, Any] = {"model": "tiny", "max_tokens": 8, "stream": True,
+                                    "stream_options": {"include_usage": True}}
+            body |= ({"messages": [{"role": "user", "content": "hello"}]} if chat
+                     else {"prompt": "hello"})
+            r = await env.client.post("/v1/chat/completions" if chat else "/v1/completions",
+                                      json=body)
+            data = await r.read()
+            evs = events(data)
+            assert token_texts(evs, chat) == [f"t{k} " for k in range(8)]
+            assert evs[-1] == "[DONE]" and evs.count("[DONE]") == 1
+            assert not any("error" in e for e in evs if e != "[DONE]")
+            assert b'"token_ids":[' not in data  # the client did not ask for them
+            assert len({e["id"] for e in evs if e != "[DONE]"}) == 1
+            if chat:
+                assert sum(1 for e in evs[:-1] for c in e["choices"]
+                           if (c.get("delta") or {}).get("role")) == 1
+            usage = evs[-2]["usage"]  # the whole answer, as one uninterrupted stream
+            assert usage == {"prompt_tokens": 5 if not chat else 5, "completion_tokens": 8,
+                             "total_tokens": 13}
+            # the continuation: prompt + the 3 delivered tokens, 5 left to generate
+            (cont,) = env.decode[1].seen
+            cb = cont["body"]
+            assert cb["max_tokens"] == 5 and cb["return_token_ids"] is True
+            ids = (cb["kv_transfer_params"]["prompt_token_ids"] if chat else cb["prompt"])
+            assert ids[-3:] == [100, 101, 102] and len(ids) == 8
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_migrations_total", outcome="ok") == 1
+            assert metric(text, "kvdisagg_proxy_requests_total", outcome="ok") == 1
+            assert metric(text, "kvdisagg_proxy_instance_in_flight") == 0
+    run(t(False))
+    run(t(True))
+
+
+def test_only_decode_failing_twice_still_finishes_the_stream_then_gives_up() -> None:
+    async def t(fault: str, tokens: int, migrations: int, finished: bool) -> None:
+        async with proxy(retry=RetryConfig(migrations=migrations)) as env:
+            d = env.decode[0]
+            d.use_max_tokens = True
+            setattr(d, fault, 2)
+            r = await env.client.post("/v1/completions", json={
+                "model": "tiny", "prompt": "hello", "max_tokens": tokens, "stream": True,
+                "return_token_ids": True})
+            evs = events(await r.read())
+            texts = token_texts(evs)
+            if finished:
+                assert texts == [f"t{k} " for k in range(tokens)]
+                # the client asked for token ids: it gets them, one per token, in order
+                ids = [i for e in evs[:-1] for c in e["choices"] for i in c["token_ids"]]
+                assert ids == [100 + k for k in range(tokens)]
+            else:
+                assert texts == [f"t{k} " for k in range(2 * (migrations + 1))]
+                assert "error" in evs[-2] and f"after {migrations} migrations" in \
+                    evs[-2]["error"]["message"]
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_migrations_total", outcome="ok") == \
+                migrations
+    run(t("die_after", 5, 2, True))  # 2 + 2 + 1 tokens over three legs
+    run(t("hang_after", 5, 2, True))  # silent past decode_idle_s: moved as well
+    run(t("die_after", 9, 2, False))
+
+
+def test_n_streams_are_not_migrated() -> None:
+    async def t() -> None:
+        async with proxy(n_decode=2) as env:
+            env.decode[0].tokens, env.decode[0].die_after = 5, 2
+            r = await env.client.post("/v1/completions", json={
+                "model": "tiny", "prompt": "hello", "max_tokens": 5, "n": 2, "stream": True})
+            evs = events(await r.read())
+            assert "error" in evs[-2] and evs[-1] == "[DONE]"
+            assert "return_token_ids" not in env.decode[0].seen[0]["body"]
+            assert env.decode[1].seen == []
+    run(t())
+
+
+def test_echo_streams_ask_decode_for_no_token_ids() -> None:
+    """vLLM echoes no prompt text when return_token_ids is set: an echo stream is not tapped."""
+    async def t() -> None:
+        async with proxy() as env:
+            r = await env.client.post("/v1/completions", json={
+                "model": "tiny", "prompt": "hi", "max_tokens": 2, "stream": True, "echo": True})
+            assert r.status == 200
+            assert "return_token_ids" not in env.decode[0].seen[0]["body"]
+    run(t())
