@@ -146,19 +146,14 @@ PREFILL_ROUTING = {
 }
 
 
-def setups(model: Path, log_dir: Path, max_model_len: int
-           ) -> dict[str, Callable[[], Iterator[Running]]]:
+def setups(model: Path, log_dir: Path) -> dict[str, Callable[[], Iterator[Running]]]:
     """Each setup as a context that yields where to send requests. ``2p1d-<routing>``: 2P1D,
     every request disaggregated, prefill chosen by ``PREFILL_ROUTING[routing]``."""
     from contextlib import contextmanager
 
-    long_ctx = ["--max-model-len", str(max_model_len)]  # the tiny model says 2048
-    env = {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
-
     @contextmanager
     def plain() -> Iterator[Running]:
-        server = VllmServer(model, log_path=log_dir / "plain.log", omp_threads_bind="0",
-                            extra_args=long_ctx, env=env)
+        server = VllmServer(model, log_path=log_dir / "plain.log", omp_threads_bind="0")
         server.start()
         try:
             server.wait_ready(900)
@@ -170,8 +165,7 @@ def setups(model: Path, log_dir: Path, max_model_len: int
         @contextmanager
         def run() -> Iterator[Running]:
             fleet = Fleet(model, log_dir / name, prefills=prefills, always_disaggregate=False,
-                          kv_events=True, prefill_args=long_ctx, decode_args=long_ctx,
-                          env=env, proxy_args=proxy_args)
+                          kv_events=True, proxy_args=proxy_args)
             with fleet:
                 insts = {f"prefill{i}": p.base_url for i, p in enumerate(fleet.prefills)}
                 yield Running(fleet.proxy_url, insts | {"decode": fleet.decode.base_url})
@@ -207,11 +201,10 @@ def main() -> None:
     ap.add_argument("--systems", type=int, default=1,
                     help="distinct system prompts per mode (conversation i gets i mod N)")
     ap.add_argument("--system-words", type=int, default=450)
-    ap.add_argument("--user-words", type=int, default=110)
+    ap.add_argument("--user-words", type=int, default=70,
+                    help="70: turn 4 of the defaults is ~1900 prompt tokens, under the tiny "
+                    "model's 2048 positions (past them its answers are not even repeatable)")
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--max-model-len", type=int, default=4096,
-                    help="every instance's (the tiny model says 2048; 4 turns of the default "
-                    "workload reach ~2200 tokens)")
     ap.add_argument("--setups", nargs="+", default=["plain", "1p1d", "2p1d"], choices=SETUPS)
     ap.add_argument("--modes", nargs="+", default=["sequential", "concurrent"],
                     choices=["sequential", "concurrent"])
@@ -223,7 +216,7 @@ def main() -> None:
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
     hits: dict[str, dict[str, dict[str, list[float]]]] = {}
     for name in args.setups:
-        with setups(model, args.log_dir, args.max_model_len)[name]() as running:
+        with setups(model, args.log_dir)[name]() as running:
             print(f"{name}: up at {running.url}", file=sys.stderr)
             warm_up(running.url, args)
             results[name], hits[name] = {}, {}
