@@ -14,7 +14,12 @@ proxy routed the requests.
 
 Goal (issue 15): later-turn TTFT p50 through P/D <= the plain instance's; first turns <= 1.1x.
 
-    .venv/bin/python benchmarks/multiturn.py [--conversations 4] [--turns 4]
+The prefill choice on a shared-prefix workload: setups ``2p1d-events``, ``2p1d-round_robin``
+and ``2p1d-prefix_aware`` (2P1D, every request disaggregated, the prefill picked by the cache
+index from KV events or by the policy alone), with ``--systems N`` distinct system prompts;
+ratios are then to the first setup named.
+
+    .venv/bin/python benchmarks/multiturn.py [--conversations 4] [--turns 4] [--systems 1]
         [--setups plain 1p1d 2p1d] [--modes sequential concurrent] [--out out/multiturn.json]
 """
 
