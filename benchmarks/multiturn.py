@@ -173,6 +173,8 @@ def setups(model: Path, log_dir: Path) -> dict[str, Callable[[], Iterator[Runnin
                           kv_events=True, proxy_args=proxy_args)
             with fleet:
                 insts = {f"prefill{i}": p.base_url for i, p in enumerate(fleet.prefills)}
+                if "--no-cache-index" not in proxy_args:
+                    wait_index_live(fleet.proxy_url, len(insts) + 1)
                 yield Running(fleet.proxy_url, insts | {"decode": fleet.decode.base_url})
                 print(f"{name} routed: {routed(fleet.proxy_url)}", file=sys.stderr)
         return run
@@ -182,6 +184,17 @@ def setups(model: Path, log_dir: Path) -> dict[str, Callable[[], Iterator[Runnin
 
 
 SETUPS = ["plain", "1p1d", "2p1d", *(f"2p1d-{r}" for r in PREFILL_ROUTING)]
+
+
+def wait_index_live(proxy: str, instances: int, timeout_s: float = 120.0) -> None:
+    """Until the proxy's cache index follows every instance's KV events: the proxy is ready
+    as soon as the instances answer health probes, but it finds each publisher on a retry
+    some seconds later, and until then it predicts no hit (requests go through prefill)."""
+    deadline = time.monotonic() + timeout_s
+    while (live := metric_value(proxy, "kvdisagg_proxy_cache_index_live")) < instances:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{proxy}: cache index live for {live} of {instances} instances")
+        time.sleep(0.5)
 
 
 def routed(proxy: str) -> dict[str, float]:
