@@ -26,8 +26,15 @@ The overhead is P/D TTFT minus prefill alone; the trace of each P/D request says
 
 Goal (issue 12): overhead p50 <= pull + 8 ms at 1000 and 2000 tokens.
 
+``--decision`` (issue 15) adds, per round, two more requests through two more proxies on the
+same pair: *local*, decode computing the prompt itself (``--local-prefill-tokens`` past any
+length: what decode alone costs), and *default*, the proxy's per-request decision with its
+defaults (its route is recorded: short prompts should go to decode alone, long ones through
+prefill). Where local is cheaper than P/D, and by how much decode is kept busy instead,
+is what sets ``decision.local_prefill_tokens``.
+
     .venv/bin/python benchmarks/handoff.py [--lengths 100 1000 2000 8000] [--rounds 15]
-        [--transport tcp] [--out out/handoff.json]
+        [--transport tcp] [--decision] [--out out/handoff.json]
 """
 
 from __future__ import annotations
@@ -44,9 +51,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support: the collector
-from kvdisagg.local.fleet import Fleet  # noqa: E402
-from kvdisagg.local.tiny_model import ensure_tiny_model  # noqa: E402
-from tests.support.otlp_sink import OtlpSink, SpanRecord, by_request  # noqa: E402
+from kvdisagg.local.fleet import Fleet
+from kvdisagg.local.tiny_model import ensure_tiny_model
+from tests.support.otlp_sink import OtlpSink, SpanRecord, by_request
 
 PHASES = ["in", "accept", "prefill", "between", "admit", "to-worker", "queue", "connect", "read",
           "transfer", "done", "noticed", "first-tok", "relay", "read>serve", "pin-wait"]
@@ -61,6 +68,7 @@ class Client:
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
         self.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
+        self.route = ""  # the last answer's X-Kvdisagg-Handoff
 
     def first_token_s(self, body: dict[str, Any], rid: str) -> float:
         """Seconds until the first token: a stream's first event, or a whole 1-token answer."""
@@ -71,6 +79,7 @@ class Client:
         r = self.conn.getresponse()
         if r.status != 200:
             raise SystemExit(f"{rid}: HTTP {r.status}: {r.read()[:300]!r}")
+        self.route = r.getheader("X-Kvdisagg-Handoff") or ""
         if not body.get("stream"):
             r.read()
             return time.perf_counter() - start
@@ -115,6 +124,8 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[100, 1000, 2000, 8000])
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--transport", default="tcp")
+    ap.add_argument("--decision", action="store_true",
+                    help="also time decode alone and the default decision (two more proxies)")
     ap.add_argument("--out", type=Path, help="write every measurement here (JSON)")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/kvdisagg-handoff-bench"))
     args = ap.parse_args()
@@ -134,9 +145,14 @@ def main() -> None:
         with fleet:
             print(f"fleet up: {args.transport}, logs in {args.log_dir}", file=sys.stderr)
             prefill, proxy = Client(fleet.prefill.base_url), Client(fleet.proxy_url)
+            more: dict[str, Client] = {}
+            if args.decision:
+                more["local"] = Client(fleet.extra_proxy(
+                    ["--local-prefill-tokens", str(10 * MAX_LEN)], "proxy-local"))
+                more["default"] = Client(fleet.extra_proxy([], "proxy-default"))
             for n in args.lengths:
                 gen = {"model": "tiny", "temperature": 0, "ignore_eos": True}
-                for client in (prefill, proxy):  # the first of a length pays one-off costs
+                for client in (prefill, proxy, *more.values()):  # one-off costs of a length
                     client.first_token_s({**gen, "prompt": prompt(n, rng), "max_tokens": 1},
                                          f"warm{n}-{time.monotonic_ns()}")
                 rows = []
@@ -147,10 +163,18 @@ def main() -> None:
                     sent_ns = time.time_ns()
                     pd = proxy.first_token_s({**gen, "prompt": prompt(n, rng), "max_tokens": 2,
                                               "stream": True}, rid)
-                    rows.append({"rid": rid, "alone": alone * 1e3, "pd": pd * 1e3,
-                                 "sent_ns": sent_ns, "client_first_ns": sent_ns + int(pd * 1e9)})
+                    row = {"rid": rid, "alone": alone * 1e3, "pd": pd * 1e3,
+                           "sent_ns": sent_ns, "client_first_ns": sent_ns + int(pd * 1e9)}
+                    for name, client in more.items():
+                        row[name] = 1e3 * client.first_token_s(
+                            {**gen, "prompt": prompt(n, rng), "max_tokens": 2,
+                             "stream": True}, f"{name}{n}-{i}-{time.monotonic_ns()}")
+                        row[f"{name}_route"] = client.route
+                    rows.append(row)
                     print(f"{n:5d} tokens round {i + 1}/{args.rounds}: alone "
-                          f"{alone * 1e3:7.1f} ms, P/D {pd * 1e3:7.1f} ms", file=sys.stderr)
+                          f"{alone * 1e3:7.1f} ms, P/D {pd * 1e3:7.1f} ms"
+                          + "".join(f", {k} {row[k]:7.1f} ms" for k in more),
+                          file=sys.stderr)
                 results[n] = rows
             want = {r["rid"] for rows in results.values() for r in rows}
             spans = sink.wait_for(lambda sp: want <= _complete(sp), timeout_s=30)
@@ -167,8 +191,15 @@ def main() -> None:
         alone = statistics.median(r["alone"] for r in rows)
         pd = statistics.median(r["pd"] for r in rows)
         overhead = statistics.median(r["pd"] - r["alone"] for r in rows)
+        decision = {}
+        if "local" in rows[0]:
+            routes: dict[str, int] = {}
+            for r in rows:
+                routes[r["default_route"]] = routes.get(r["default_route"], 0) + 1
+            decision = {k: statistics.median(r[k] for r in rows) for k in ("local", "default")}
+            decision["default_routes"] = routes
         table.append({"tokens": n, "rounds": len(rows), "traced": len(traced), "alone": alone,
-                      "pd": pd, "overhead": overhead, **med})
+                      "pd": pd, "overhead": overhead, **med, **decision})
     _print(table)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -195,6 +226,17 @@ def _print(table: list[dict[str, Any]]) -> None:
         cells = [f"{row[c]:.1f}" if c in row else "-" for c in cols]
         print(f"| {row['tokens']} | " + " | ".join(cells) + f" | {met} |")
     print("(p50 over rounds, ms; overhead = P/D TTFT - prefill alone; goal: overhead <= pull + 8)")
+    if table and "local" in table[0]:
+        print("\n| tokens | prefill alone | P/D | decode alone | default decision | its routes "
+              "| P/D - decode alone | default / prefill alone |")
+        print("|---:|---:|---:|---:|---:|---|---:|---:|")
+        for r in table:
+            routes = ", ".join(f"{k} {v}" for k, v in sorted(r["default_routes"].items()))
+            print(f"| {r['tokens']} | {r['alone']:.1f} | {r['pd']:.1f} | {r['local']:.1f} | "
+                  f"{r['default']:.1f} | {routes} | {r['pd'] - r['local']:.1f} | "
+                  f"{r['default'] / r['alone']:.2f} |")
+        print("(p50 over rounds, ms; decode alone: decode computes the prompt, through a proxy; "
+              "default decision: the proxy's defaults)")
 
 
 if __name__ == "__main__":

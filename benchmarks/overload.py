@@ -37,8 +37,8 @@ from kvdisagg.local.servers import VllmServer
 from kvdisagg.local.tiny_model import ensure_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.e2e.conftest import post, prompt_ids  # noqa: E402
-from tests.e2e.test_overload import BURST, SHAPES  # noqa: E402
+from tests.e2e.conftest import post, prompt_ids
+from tests.e2e.test_overload import BURST, SHAPES
 
 TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -31,8 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
-from kvdisagg.proxy.upstream import Pool
 from kvdisagg.local.servers import free_port
+from kvdisagg.proxy.upstream import Pool
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 WORKLOADS = {

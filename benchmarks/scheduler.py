@@ -23,10 +23,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvdisagg.slo_scheduler import SchedulerSettings
 from kvdisagg.local.fleet import Fleet, kv_transfer_args
 from kvdisagg.local.servers import VllmServer
 from kvdisagg.local.tiny_model import ensure_tiny_model
+from kvdisagg.slo_scheduler import SchedulerSettings
 
 SCHEDULER = ["--scheduler-cls", "kvdisagg.slo_scheduler.SloScheduler"]
 

@@ -30,22 +30,27 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Callable
 
 import msgspec
 import torch
 
 from kvdisagg.config import ConnectorConfig
 from kvdisagg.integrity import TRAILER_BYTES
-from kvdisagg.protocol import recv_into_exact
 from kvdisagg.local.servers import LMCacheServer
+from kvdisagg.protocol import recv_into_exact
 from kvdisagg.transport import Fetch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support, shared scaffolding
-from tests.support.transport_peer import (BLOCK_SIZE, KV_LAYOUT, PeerProcess,  # noqa: E402
-                                          kv_caches, open_transport)
+from tests.support.transport_peer import (
+    BLOCK_SIZE,
+    KV_LAYOUT,
+    PeerProcess,
+    kv_caches,
+    open_transport,
+)
 
 BLOCK_SHAPE = (1, 64, 128)  # kv_heads, tokens, 2*head_dim: 32 KiB per layer-block in float32
 LAYERS = 2

@@ -81,9 +81,11 @@ class Fleet:
                                      extra_args=list(reference_args))
                           if reference else None)
         self.proxy_port = free_port()
+        self.tokenizer_args = ["--tokenizer", str(model)] * kv_events
         self.proxy_args = (["--always-disaggregate"] * always_disaggregate
-                           + ["--tokenizer", str(model)] * kv_events + list(proxy_args))
+                           + self.tokenizer_args + list(proxy_args))
         self.proxy: subprocess.Popen[bytes] | None = None
+        self.extra_proxies: list[subprocess.Popen[bytes]] = []
 
     @property
     def servers(self) -> list[VllmServer]:
@@ -93,16 +95,20 @@ class Fleet:
     def proxy_url(self) -> str:
         return f"http://127.0.0.1:{self.proxy_port}"
 
+    def _spawn_proxy(self, port: int, args: Sequence[str], log_name: str
+                     ) -> subprocess.Popen[bytes]:
+        with open(self.log_dir / log_name, "wb") as log:
+            return subprocess.Popen(
+                [sys.executable, "-m", "kvdisagg.cli", "proxy",
+                 "--prefill", *(p.base_url for p in self.prefills),
+                 "--decode", self.decode.base_url, "--host", "127.0.0.1",
+                 "--port", str(port), *args],
+                stdout=log, stderr=subprocess.STDOUT)
+
     def start(self, timeout_s: float = 900.0) -> Fleet:
         for server in self.servers:
             server.start()
-        log = open(self.log_dir / "proxy.log", "wb")
-        self.proxy = subprocess.Popen(
-            [sys.executable, "-m", "kvdisagg.cli", "proxy",
-             "--prefill", *(p.base_url for p in self.prefills),
-             "--decode", self.decode.base_url, "--host", "127.0.0.1",
-             "--port", str(self.proxy_port), *self.proxy_args],
-            stdout=log, stderr=subprocess.STDOUT)
+        self.proxy = self._spawn_proxy(self.proxy_port, self.proxy_args, "proxy.log")
         try:
             for server in self.servers:
                 server.wait_ready(timeout_s)
@@ -112,13 +118,25 @@ class Fleet:
             raise
         return self
 
-    def wait_proxy_ready(self, timeout_s: float = 60.0) -> None:
+    def extra_proxy(self, proxy_args: Sequence[str], name: str) -> str:
+        """Another proxy on the same instances (started fleet), with its own arguments (the
+        fleet's ``kv_events`` tokenizer included, not ``--always-disaggregate``); stopped with
+        the fleet. Returns its URL once ready; its log is ``<name>.log``."""
+        port = free_port()
+        self.extra_proxies.append(
+            self._spawn_proxy(port, [*self.tokenizer_args, *proxy_args], f"{name}.log"))
+        url = f"http://127.0.0.1:{port}"
+        self.wait_proxy_ready(url=url)
+        return url
+
+    def wait_proxy_ready(self, timeout_s: float = 60.0, url: str | None = None) -> None:
         """Until the proxy's probes have found every instance healthy (``/readiness``)."""
         deadline = time.monotonic() + timeout_s
         last = ""
+        url = url or self.proxy_url
         while time.monotonic() < deadline:
             try:
-                with urllib.request.urlopen(self.proxy_url + "/readiness", timeout=2) as r:
+                with urllib.request.urlopen(url + "/readiness", timeout=2) as r:
                     state = json.loads(r.read())
                 if all(state[side]["healthy"] == state[side]["total"]
                        for side in ("prefill", "decode")):
@@ -130,12 +148,13 @@ class Fleet:
         raise RuntimeError(f"proxy not ready ({last}); see {self.log_dir / 'proxy.log'}")
 
     def stop(self) -> None:
-        if self.proxy and self.proxy.poll() is None:
-            self.proxy.terminate()
-            try:
-                self.proxy.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proxy.kill()
+        for proxy in (self.proxy, *self.extra_proxies):
+            if proxy and proxy.poll() is None:
+                proxy.terminate()
+                try:
+                    proxy.wait(10)
+                except subprocess.TimeoutExpired:
+                    proxy.kill()
         for server in self.servers:
             server.stop()
 
