@@ -39,6 +39,7 @@ from kvdisagg.proxy.tokens import TokenizerConfig
 __all__ = ["CacheIndex", "CacheIndexConfig", "IndexState", "InstanceStatus"]
 
 log = logging.getLogger("kvdisagg.proxy.cache_index")
+FIRST_RETRY_S = 0.5  # the first wait before asking a starting instance again (then doubled)
 
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=86400)]
 
@@ -55,8 +56,8 @@ class CacheIndexConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     """Longest silence between two frames of a replay; past it the replay failed and the
     instance's entries are dropped (a long replay that keeps coming is fine)."""
     retry_s: Seconds = 10.0
-    """How often to ask again an instance that did not answer ``/kv_event_sources`` (not up
-    yet)."""
+    """Longest wait before asking again an instance that did not answer ``/kv_event_sources``
+    (not up yet): the first retry comes after 0.5 s, each next one after twice as long."""
     max_blocks_per_instance: Annotated[int, msgspec.Meta(ge=1, le=1 << 30)] = 262_144
     """Bound on one instance's indexed block copies (about 150 bytes each); more than its cache
     can hold means the view went wrong: its entries are dropped."""
@@ -243,6 +244,9 @@ class CacheIndex:
         answer, None (the watch disabled) when its answer rules the index out."""
         timeout = aiohttp.ClientTimeout(total=self.cfg.connect_timeout_s)
         said = False
+        # An instance starting up answers within seconds: ask again soon, then back off to
+        # retry_s (the proxy's first requests should not miss the index for want of a retry).
+        wait_s = min(FIRST_RETRY_S, self.cfg.retry_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
                 try:
@@ -263,10 +267,11 @@ class CacheIndex:
                     return None
                 if not said:
                     log.info("kv events of %s: cannot ask for its publisher yet (%s); retrying "
-                             "every %.0fs", w.url, status or body.decode(errors="replace"),
-                             self.cfg.retry_s)
+                             "(backing off to every %.0fs)", w.url,
+                             status or body.decode(errors="replace"), self.cfg.retry_s)
                     said = True
-                await asyncio.sleep(self.cfg.retry_s)
+                await asyncio.sleep(wait_s)
+                wait_s = min(wait_s * 2, self.cfg.retry_s)
 
     # -- queries ----------------------------------------------------------------------------
 

@@ -497,3 +497,41 @@ def test_every_key_is_documented() -> None:
     keys += [f"cache_index.tokenizer.{f}" for f in TokenizerConfig.__struct_fields__]
     missing = [k for k in keys if f"`{k}`" not in doc]
     assert missing == [], f"not in docs/configuration.md: {missing}"
+
+
+def test_a_starting_instance_is_found_soon_after_it_comes_up() -> None:
+    """Not up at the first ask: asked again after 0.5 s, then 1 s, ..., up to retry_s, so an
+    instance that comes up 1 s later is followed within about a second, not after retry_s."""
+    async def go() -> None:
+        pub = Publisher()
+        up = False
+        p, r = pub.ports
+        good = {"0": {"enable_kv_cache_events": True, "publisher": "zmq",
+                      "endpoint": f"tcp://*:{p}", "replay_endpoint": f"tcp://*:{r}",
+                      "buffer_steps": 10000, "hwm": 100000, "max_queue_size": 100000,
+                      "topic": "kv"}}
+
+        async def sources(request: web.Request) -> web.Response:
+            return web.json_response(good) if up else web.Response(status=503)
+
+        app = web.Application()
+        app.router.add_get("/kv_event_sources", sources)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        index = CacheIndex(CacheIndexConfig(connect_timeout_s=2, retry_s=30))
+        try:
+            await index.watch(url, "decode")
+            await asyncio.sleep(1.0)  # asked at 0 and 0.5 s: not up
+            up = True
+            started = time.monotonic()
+            assert await index.wait_live(url, WAIT_S)
+            assert time.monotonic() - started < 3.0  # the 1.5 s retry, not retry_s (30 s)
+        finally:
+            await index.close()
+            await runner.cleanup()
+            pub.close()
+
+    run(go())
