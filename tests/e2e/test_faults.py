@@ -243,10 +243,13 @@ def test_prefill_stalled_past_the_transfer_timeout(faults):
 @pytest.mark.timeout(1500)
 def test_decode_killed_before_first_byte(faults):
     """Decode 0 stopped while the burst's decode legs reach it, then killed (SIGKILL) with X
-    legs waiting for their first byte: each is retried on decode 1 with a fresh handoff
-    (``instance_retries_total`` of decode 0 grows by exactly X; no migration), every request
-    succeeds token-identical, and the X handoffs decode 0 never pulled expire on prefill a
-    lease after they were offered (``handoffs_expired_total`` grows by exactly X)."""
+    legs waiting for their first byte: each is retried once on decode 1
+    (``instance_retries_total`` of decode 0 grows by exactly X; no migration) and every
+    request succeeds token-identical, its KV pulled exactly once, by decode 1. A leg the proxy
+    may have delivered (its connection closed after the request went out) is retried with a
+    fresh handoff and its first expires on prefill a lease later; one that provably never
+    reached decode 0 (a stale keep-alive connection, its resend refused) is retried with the
+    same handoff. So prefill's expired handoffs grow by exactly the re-prefills."""
     fleet = faults
     d0 = fleet.decodes[0]
     items = [body(i, 300, stream=i % 2 == 1, max_tokens=40) for i in range(6)]
@@ -255,6 +258,7 @@ def test_decode_killed_before_first_byte(faults):
     retries = proxy_metric(fleet, "instance_retries_total", side="decode", instance=d0.base_url)
     prefilled = proxy_metric(fleet, "instance_requests_total", side="prefill")
     migrations = proxy_metric(fleet, "migrations_total")
+    d1_pulls = metric(fleet.decodes[1].base_url, "vllm:kvdisagg_pulls_total")
     d0.pause()
     with ThreadPoolExecutor(len(items)) as pool:
         futures = start_burst(pool, fleet, items)
@@ -271,11 +275,20 @@ def test_decode_killed_before_first_byte(faults):
     assert proxy_metric(fleet, "instance_retries_total", side="decode",
                         instance=d0.base_url) == retries + held
     assert proxy_metric(fleet, "migrations_total") == migrations
+    assert wait_metric_change(fleet.decodes[1].base_url, "vllm:kvdisagg_pulls_total",
+                              d1_pulls) == d1_pulls + len(items)
+    reprefills = (proxy_metric(fleet, "instance_requests_total", side="prefill")
+                  - prefilled - len(items))
+    assert 0 <= reprefills <= held
     d0.start()  # back while the leases run out
     offered, freed = wait_handoffs_freed(fleet.prefill.base_url, timeout_s=LEASE_S + 30)
     assert offered == freed
-    assert wait_metric_change(fleet.prefill.base_url, "vllm:kvdisagg_handoffs_expired_total",
-                              expired) == expired + held
+    if reprefills:
+        assert wait_metric_change(fleet.prefill.base_url,
+                                  "vllm:kvdisagg_handoffs_expired_total", expired) == (
+            expired + reprefills)
+    assert metric(fleet.prefill.base_url,
+                  "vllm:kvdisagg_handoffs_expired_total") == expired + reprefills
     restart(fleet, d0)
     assert_nothing_leaks(fleet)
 
