@@ -12,8 +12,9 @@ are killed here), in this order:
   succeeds, the burst is late by at most the stall plus the bounds that detect it;
 - decode killed before its first byte (stopped while the legs reach it, then SIGKILLed): every
   leg it held is retried elsewhere with a fresh handoff, the ones it held expire on prefill;
-- decode killed mid-stream: every stream it served is migrated (migrate.py) and completes
-  token-identical; nothing was held, nothing expires;
+- decode killed mid-stream and mid-generation: every stream it served is migrated
+  (migrate.py), every non-streamed request retried; all complete token-identical; nothing was
+  held, nothing expires;
 - prefill killed (SIGKILL) while holding handoffs (decode stopped while they were offered):
   every pull fails at once (refused), the proxy re-prefills, finds no prefill and serves
   decode-only (``retry.decode_only_fallback``): every request succeeds.
@@ -295,33 +296,41 @@ def test_decode_killed_before_first_byte(faults):
 
 @pytest.mark.timeout(1500)
 def test_decode_killed_mid_stream(faults):
-    """Decode 1 killed (SIGKILL) while X streams are mid-way on it: each is migrated to decode
-    0 (``migrations_total{outcome="ok"}`` grows by exactly X, no other outcome), with the
-    tokens delivered so far; every stream completes token-identical to the plain answer (no
-    gap, no duplicate). Decode 1 had pulled all it held: no handoff expires."""
+    """Decode 1 killed (SIGKILL) while X legs run on it: streams mid-way and non-streamed
+    requests mid-generation (their KV pulled, no byte sent yet). Each stream is migrated to
+    decode 0 with the tokens delivered so far (``migrations_total{outcome="ok"}``); each
+    non-streamed request is retried on decode 0 with a fresh handoff (the one decode 1 pulled
+    is gone; ``instance_retries_total`` of decode 1): migrations plus retries are exactly X, no
+    other migration outcome. Every request completes token-identical to the plain answer (a
+    stream with no gap and no duplicate). Decode 1 had pulled all it held: no handoff
+    expires."""
     fleet = faults
     restart(fleet, fleet.decodes[0])
     d1 = fleet.decodes[1]
-    # Long answers to short prompts: every stream is still running when the last is prefilled.
-    items = [body(i, 700, stream=True, max_tokens=1000, n_prompt=200) for i in range(6)]
+    # Long answers to short prompts: every request is still running when the last is
+    # prefilled.
+    items = [body(i, 700, stream=i % 4 != 3, max_tokens=1000, n_prompt=200) for i in range(8)]
     want = expected(fleet, items)
     expired = metric(fleet.prefill.base_url, "vllm:kvdisagg_handoffs_expired_total")
     ok = proxy_metric(fleet, "migrations_total", outcome="ok")
     other = proxy_metric(fleet, "migrations_total") - ok
+    retries = proxy_metric(fleet, "instance_retries_total", side="decode", instance=d1.base_url)
     with ThreadPoolExecutor(len(items)) as pool:
         futures = start_burst(pool, fleet, items)
-        wait_until("every stream past prefill, decode 1 streaming",
+        wait_until("every request past prefill, decode 1 generating",
                    lambda: legs_on(fleet, "prefill") == 0
                    and legs_on(fleet, "decode") == len(items)
                    and legs_on(fleet, "decode", d1) >= 1, 120)
         time.sleep(1.0)  # tokens flowing on every stream
         held = legs_on(fleet, "decode", d1)
-        assert not any(f.done() for f in futures), "a stream ended before the kill"
+        assert not any(f.done() for f in futures), "a request ended before the kill"
         d1.kill()
         all_right(futures, want)
-    assert proxy_metric(fleet, "migrations_total", outcome="ok") == ok + held
-    assert proxy_metric(fleet, "migrations_total") - proxy_metric(
-        fleet, "migrations_total", outcome="ok") == other
+    migrated = proxy_metric(fleet, "migrations_total", outcome="ok") - ok
+    retried = proxy_metric(fleet, "instance_retries_total", side="decode",
+                           instance=d1.base_url) - retries
+    assert held >= 1 and migrated + retried == held, (held, migrated, retried)
+    assert proxy_metric(fleet, "migrations_total") - ok - migrated == other
     assert_nothing_leaks(fleet)
     assert metric(fleet.prefill.base_url, "vllm:kvdisagg_handoffs_expired_total") == expired
 
