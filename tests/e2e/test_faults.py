@@ -11,7 +11,8 @@ are killed here), in this order:
 - prefill stalled (SIGSTOP) for twice decode's transfer timeout, then resumed: every request
   succeeds, the burst is late by at most the stall plus the bounds that detect it;
 - decode killed before its first byte (stopped while the legs reach it, then SIGKILLed): every
-  leg it held is retried elsewhere with a fresh handoff, the ones it held expire on prefill;
+  leg it held is retried once on the other decode, which pulls each request's KV once; a
+  handoff left behind by a re-prefill expires on prefill;
 - decode killed mid-stream and mid-generation: every stream it served is migrated
   (migrate.py), every non-streamed request retried; all complete token-identical; nothing was
   held, nothing expires;
