@@ -16,9 +16,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvdisagg.testing.fleet import Fleet
-from kvdisagg.testing.servers import free_port
-from kvdisagg.testing.tiny_model import ensure_tiny_model
+from kvdisagg.local.fleet import Fleet
+from kvdisagg.local.servers import free_port
+from kvdisagg.local.tiny_model import ensure_tiny_model
 
 
 def slo_proxy(fleet: Fleet, out: Path, ttft: float, tpot: float, window: float):

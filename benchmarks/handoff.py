@@ -44,8 +44,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support: the collector
-from kvdisagg.testing.fleet import Fleet  # noqa: E402
-from kvdisagg.testing.tiny_model import ensure_tiny_model  # noqa: E402
+from kvdisagg.local.fleet import Fleet  # noqa: E402
+from kvdisagg.local.tiny_model import ensure_tiny_model  # noqa: E402
 from tests.support.otlp_sink import OtlpSink, SpanRecord, by_request  # noqa: E402
 
 PHASES = ["in", "accept", "prefill", "between", "admit", "to-worker", "queue", "connect", "read",

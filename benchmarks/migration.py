@@ -22,9 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from kvdisagg.testing.fleet import Fleet
-from kvdisagg.testing.servers import metric_value
-from kvdisagg.testing.tiny_model import ensure_tiny_model
+from kvdisagg.local.fleet import Fleet
+from kvdisagg.local.servers import metric_value
+from kvdisagg.local.tiny_model import ensure_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.e2e.conftest import post, prompt_ids

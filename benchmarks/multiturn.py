@@ -33,9 +33,9 @@ from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kvdisagg.testing.fleet import Fleet  # noqa: E402
-from kvdisagg.testing.servers import VllmServer, metric_value  # noqa: E402
-from kvdisagg.testing.tiny_model import ensure_tiny_model  # noqa: E402
+from kvdisagg.local.fleet import Fleet  # noqa: E402
+from kvdisagg.local.servers import VllmServer, metric_value  # noqa: E402
+from kvdisagg.local.tiny_model import ensure_tiny_model  # noqa: E402
 
 WORDS = ("the sea keeps singing to a lazy dog while quick brown foxes jump over cache blocks "
          "and tokens of every model layer where prefill meets decode under a bright moon").split()

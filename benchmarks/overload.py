@@ -32,9 +32,9 @@ from kvdisagg.bench.client import ClientConfig, send
 from kvdisagg.bench.records import RequestRecord, Slo
 from kvdisagg.bench.stats import duration, judge, percentiles
 from kvdisagg.bench.workload import RequestSpec
-from kvdisagg.testing.fleet import Fleet, kv_transfer_args
-from kvdisagg.testing.servers import VllmServer
-from kvdisagg.testing.tiny_model import ensure_tiny_model
+from kvdisagg.local.fleet import Fleet, kv_transfer_args
+from kvdisagg.local.servers import VllmServer
+from kvdisagg.local.tiny_model import ensure_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.e2e.conftest import post, prompt_ids  # noqa: E402

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from kvdisagg.slo_scheduler import SchedulerSettings
-from kvdisagg.testing.fleet import Fleet, kv_transfer_args
-from kvdisagg.testing.servers import VllmServer
-from kvdisagg.testing.tiny_model import ensure_tiny_model
+from kvdisagg.local.fleet import Fleet, kv_transfer_args
+from kvdisagg.local.servers import VllmServer
+from kvdisagg.local.tiny_model import ensure_tiny_model
 
 SCHEDULER = ["--scheduler-cls", "kvdisagg.slo_scheduler.SloScheduler"]
 

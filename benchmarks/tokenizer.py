@@ -34,8 +34,8 @@ from typing import Any
 from kvdisagg.proxy.cache_index import CacheIndex, CacheIndexConfig
 from kvdisagg.proxy.tokens import RequestTokenizer, TokenizerConfig
 from kvdisagg.proxy.upstream import Pool
-from kvdisagg.testing.servers import VllmServer, free_port
-from kvdisagg.testing.tiny_model import _WORDS, ensure_tiny_model
+from kvdisagg.local.servers import VllmServer, free_port
+from kvdisagg.local.tiny_model import _WORDS, ensure_tiny_model
 
 LENGTHS = (100, 1000, 2000)
 CHARS_PER_TOKEN = 4.5  # the tiny tokenizer on these words (checked against the real counts)

@@ -40,7 +40,7 @@ import torch
 from kvdisagg.config import ConnectorConfig
 from kvdisagg.integrity import TRAILER_BYTES
 from kvdisagg.protocol import recv_into_exact
-from kvdisagg.testing.servers import LMCacheServer
+from kvdisagg.local.servers import LMCacheServer
 from kvdisagg.transport import Fetch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support, shared scaffolding

@@ -21,7 +21,7 @@ READY_TIMEOUT_S=${READY_TIMEOUT_S:-600}
 LOG_DIR=${LOG_DIR:-$(mktemp -d /tmp/kvdisagg-vllm-router.XXXXXX)}
 command -v "$VLLM_ROUTER" >/dev/null || { echo "$VLLM_ROUTER not found: pip install vllm-router" >&2; exit 1; }
 
-MODEL=${1:-$("$PY" -c 'from kvdisagg.testing.tiny_model import ensure_tiny_model; print(ensure_tiny_model())')}
+MODEL=${1:-$("$PY" -c 'from kvdisagg.local.tiny_model import ensure_tiny_model; print(ensure_tiny_model())')}
 
 set -m   # one process group per server, so cleanup reaches vLLM's children
 PGIDS=()

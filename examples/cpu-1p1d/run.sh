@@ -21,7 +21,7 @@ mkdir -p "$LOG_DIR"
 MODEL=${1:-}
 if [ -z "$MODEL" ]; then
   echo "generating (or finding) the tiny model ..."
-  MODEL=$("$PY" -c 'from kvdisagg.testing.tiny_model import ensure_tiny_model; print(ensure_tiny_model())')
+  MODEL=$("$PY" -c 'from kvdisagg.local.tiny_model import ensure_tiny_model; print(ensure_tiny_model())')
 fi
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-$([ -d "$MODEL" ] && echo 1 || echo 0)}
 

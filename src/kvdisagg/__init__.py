@@ -1,8 +1,11 @@
 """kvdisagg: prefill/decode disaggregated serving for vLLM.
 
-The package has three parts that share nothing but the wire protocol:
-``connector/`` (loaded inside vLLM), ``transport/`` (moves KV bytes between workers) and
-``proxy/`` (the OpenAI-compatible front door that performs the handoff).
+Its parts (docs/architecture.md draws them): ``connector/`` (DisaggConnector, loaded inside
+vLLM) with ``transport/`` (moves KV bytes between workers), ``proxy/`` (the OpenAI-compatible
+front door: the per-request decision, the handoff, routing by cache, failover and migration),
+``slo_scheduler.py`` (a vLLM scheduler plugin), ``bench/`` and ``planner/`` (goodput measured and
+planned), ``local/`` (a fleet of real vLLM processes on one host, for the demo) and
+``doctor.py``; ``compat/`` holds the few private APIs of dependencies we reach.
 """
 
 __version__ = "0.1.0"

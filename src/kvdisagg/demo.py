@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from kvdisagg.testing.fleet import Fleet
-from kvdisagg.testing.servers import metric_value
-from kvdisagg.testing.tiny_model import ensure_tiny_model
+from kvdisagg.local.fleet import Fleet
+from kvdisagg.local.servers import metric_value
+from kvdisagg.local.tiny_model import ensure_tiny_model
 
 
 def _stream(url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
@@ -118,9 +118,6 @@ def run_demo(num_requests: int = 8, log_dir: str = "out/demo") -> int:
 
 if __name__ == "__main__":
     sys.exit(run_demo())
-
-
-HELP = "P/D serving on a generated tiny model, with a report"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -31,7 +31,6 @@ import msgspec
 if TYPE_CHECKING:
     from kvdisagg.config import ConnectorConfig
 
-HELP = "preflight checks: vLLM and the plugin, connector config, transport, side channel, fleet"
 
 Status = Literal["ok", "warn", "fail"]
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -326,7 +325,7 @@ def check_cpu_binding(has_gpu: bool | None = None) -> list[Finding]:
         has_gpu = _has_gpu()
     if has_gpu:
         return [_ok(check, "GPU host: vLLM's CPU core binding does not apply")]
-    # vLLM's variable, read here only to diagnose it (ours live in envs.py).
+    # vLLM's variable, read here only to diagnose it.
     bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
     if bind in ("", "auto"):
         shown = "unset" if not bind else "auto"

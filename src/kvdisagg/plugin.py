@@ -4,6 +4,7 @@ vLLM 0.32's CPU worker never allocating the pipeline-parallel receive buffer in 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -33,6 +34,26 @@ def register() -> None:
     _gil_friendly_spin(sys.argv)
 
 
+def serves_disagg_connector(argv: list[str]) -> bool:
+    """True when this process's command line configures DisaggConnector
+    (``--kv-transfer-config JSON`` or ``=JSON``, with ``kv_connector: DisaggConnector``).
+
+    The plugin runs before vLLM parses its arguments (and in every process vLLM spawns, which
+    inherit the command line), so the command line is what it can read."""
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name.replace("_", "-") != "--kv-transfer-config":
+            continue
+        if not eq:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        try:
+            config = json.loads(value)
+        except ValueError:
+            return False
+        return isinstance(config, dict) and config.get("kv_connector") == "DisaggConnector"
+    return False
+
+
 SPIN_PAUSE_EVERY = 64  # busy-wait polls between two pauses
 SPIN_PAUSE_S = 0.0002
 
@@ -48,7 +69,7 @@ def _gil_friendly_spin(argv: list[str]) -> bool:
     pulls silent for 30 s, leases run out unrenewed) while the engines stepped on. Every
     SPIN_PAUSE_EVERY polls, the busy-wait sleeps SPIN_PAUSE_S instead, long enough for a
     waiting thread to take the GIL; a new message is seen at most that much later."""
-    if "DisaggConnector" not in " ".join(argv):
+    if not serves_disagg_connector(argv):
         return False
     try:
         import torch
@@ -118,7 +139,7 @@ def _cpu_pp_receive_buffer() -> None:
 def _passive_omp_on_shared_cores(environ: dict[str, str] | os._Environ, argv: list[str]) -> bool:
     """Set PASSIVE_OMP_ENV in ``environ`` for a DisaggConnector instance on a CPU host with
     vLLM's default binding and no OpenMP wait setting of the user's; True if it did."""
-    if "DisaggConnector" not in " ".join(argv):
+    if not serves_disagg_connector(argv):
         return False
     if environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") not in ("", "auto"):
         return False

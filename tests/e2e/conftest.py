@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from kvdisagg.testing.fleet import Fleet, kv_transfer_args
-from kvdisagg.testing.servers import VllmServer, metric_value
-from kvdisagg.testing.tiny_model import ensure_tiny_model
+from kvdisagg.local.fleet import Fleet, kv_transfer_args
+from kvdisagg.local.servers import VllmServer, metric_value
+from kvdisagg.local.tiny_model import ensure_tiny_model
 
 BLOCK = 128
 LEASE_S = 8.0

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from kvdisagg.testing.fleet import Fleet
-from kvdisagg.testing.servers import free_port
+from kvdisagg.local.fleet import Fleet
+from kvdisagg.local.servers import free_port
 
 from .conftest import LOG_DIR
 

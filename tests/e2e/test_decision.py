@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from kvdisagg.testing.servers import free_port
+from kvdisagg.local.servers import free_port
 
 from .conftest import LOG_DIR, metric, post, prompt_ids
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdisagg.testing.servers import free_port
+from kvdisagg.local.servers import free_port
 
 from .conftest import LOG_DIR
 

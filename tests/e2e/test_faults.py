@@ -38,7 +38,7 @@ from typing import Any
 
 import pytest
 
-from kvdisagg.testing.fleet import Fleet
+from kvdisagg.local.fleet import Fleet
 
 from .conftest import (
     LOG_DIR,

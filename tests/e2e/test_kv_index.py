@@ -21,9 +21,9 @@ import pytest
 from kvdisagg.proxy.cache_index import CacheIndex, CacheIndexConfig, IndexState
 from kvdisagg.proxy.tokens import RequestTokenizer, TokenizerConfig, TokenizerMode
 from kvdisagg.proxy.upstream import Pool
-from kvdisagg.testing.fleet import kv_events_args
-from kvdisagg.testing.servers import VllmServer
-from kvdisagg.testing.tiny_model import _WORDS
+from kvdisagg.local.fleet import kv_events_args
+from kvdisagg.local.servers import VllmServer
+from kvdisagg.local.tiny_model import _WORDS
 from tests.e2e.conftest import BLOCK, LOG_DIR, metric, post
 
 pytestmark = pytest.mark.e2e

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from kvdisagg.testing.fleet import kv_transfer_args
-from kvdisagg.testing.servers import VllmServer
+from kvdisagg.local.fleet import kv_transfer_args
+from kvdisagg.local.servers import VllmServer
 
 from .conftest import LOG_DIR, metric, post, prompt_ids, wait_kv_usage_zero
 

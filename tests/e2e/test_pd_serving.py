@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvdisagg.testing.servers import free_port
+from kvdisagg.local.servers import free_port
 
 from .conftest import (LEASE_S, TIMEOUT_S, blocks, metric, poke, post, post_stream, prompt_ids,
                        wait_handoffs_freed, wait_kv_usage_zero)

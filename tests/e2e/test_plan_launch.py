@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvdisagg.planner.profile import ParallelProfile, Profile, save_profile
-from kvdisagg.testing.servers import free_port
+from kvdisagg.local.servers import free_port
 
 from .conftest import LOG_DIR, metric, post, prompt_ids
 

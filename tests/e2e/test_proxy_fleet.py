@@ -22,8 +22,8 @@ from typing import Any, Iterator, NamedTuple
 import pytest
 import yaml
 
-from kvdisagg.testing.fleet import kv_transfer_args
-from kvdisagg.testing.servers import VllmServer, free_port
+from kvdisagg.local.fleet import kv_transfer_args
+from kvdisagg.local.servers import VllmServer, free_port
 
 from .conftest import LOG_DIR, metric, prompt_ids
 

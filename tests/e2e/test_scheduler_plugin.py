@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from kvdisagg.testing.fleet import Fleet, kv_transfer_args
-from kvdisagg.testing.servers import VllmServer
+from kvdisagg.local.fleet import Fleet, kv_transfer_args
+from kvdisagg.local.servers import VllmServer
 
 from .conftest import (LOG_DIR, completion_tokens, metric, prompt_ids, wait_handoffs_freed,
                        wait_kv_usage_zero)

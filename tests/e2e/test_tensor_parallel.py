@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvdisagg.testing.fleet import Fleet
+from kvdisagg.local.fleet import Fleet
 
 from .conftest import LOG_DIR, metric, post, prompt_ids, wait_kv_usage_zero
 

@@ -9,8 +9,8 @@ from contextlib import ExitStack
 
 import pytest
 
-from kvdisagg.testing.fleet import Fleet
-from kvdisagg.testing.servers import LMCacheServer
+from kvdisagg.local.fleet import Fleet
+from kvdisagg.local.servers import LMCacheServer
 
 from .conftest import LEASE_S, LOG_DIR, TIMEOUT_S, blocks, metric, post, prompt_ids, \
     wait_kv_usage_zero

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdisagg.testing.servers import free_port
+from kvdisagg.local.servers import free_port
 
 from .conftest import LOG_DIR, completion_tokens, metric, prompt_ids, wait_metric_change
 

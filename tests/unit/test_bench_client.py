@@ -100,7 +100,7 @@ def test_silent_stream_times_out_within_bound() -> None:
 
 
 def test_unreachable_endpoint_is_a_failure() -> None:
-    from kvdisagg.testing.servers import free_port
+    from kvdisagg.local.servers import free_port
 
     async def go() -> RequestRecord:
         rec = RequestRecord(endpoint="e", run="r", index=0, rate=None, scheduled_at_s=0.0,
@@ -179,7 +179,7 @@ async def go_slow():
 
 def test_cli_compares_endpoints_and_writes_records_summary_plots(tmp_path: Path) -> None:
     """``kvdisagg bench`` as a user runs it: two fake endpoints, two rates, in a subprocess."""
-    from kvdisagg.testing.servers import free_port
+    from kvdisagg.local.servers import free_port
 
     ports = [free_port(), free_port()]
     root = Path(__file__).resolve().parents[2]  # where ``tests.support`` is importable

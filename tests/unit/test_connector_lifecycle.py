@@ -469,14 +469,13 @@ def test_decode_claims_at_most_remote_num_tokens(make, remote_tokens):
     n_remote = h.blocks_for(remote_tokens)
     assert len(params["remote_block_ids"]) == n_remote
 
-    # The claim itself (side-effect free): capped at remote_num_tokens, less what is computed.
-    probe = h.make_request(prompt, kv_transfer_params=params)
-    assert h.side.get_num_new_matched_tokens(probe, 0) == (remote_tokens, True)
-    assert h.side.get_num_new_matched_tokens(probe, 16) == (remote_tokens - 16, True)
-    assert h.side.get_num_new_matched_tokens(probe, 48) == (0, False)
-
     req = h.add_request(prompt, kv_transfer_params=params, max_tokens=2)
     rid = req.request_id
+    # The claim itself (side-effect free, asked before the first step): capped at
+    # remote_num_tokens, less what is computed.
+    assert h.side.get_num_new_matched_tokens(req, 0) == (remote_tokens, True)
+    assert h.side.get_num_new_matched_tokens(req, 16) == (remote_tokens - 16, True)
+    assert h.side.get_num_new_matched_tokens(req, 48) == (0, False)
     s = h.step()
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and s.scheduled == {}
     assert req.num_computed_tokens == remote_tokens

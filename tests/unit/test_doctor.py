@@ -18,7 +18,7 @@ from aiohttp import web
 from kvdisagg import doctor
 from kvdisagg.cli import main
 from tests.support.fake_vllm import FakeVllm
-from kvdisagg.testing.servers import free_port
+from kvdisagg.local.servers import free_port
 from tests.support.transport_peer import KV_LAYOUT, PeerProcess
 
 GOOD = {"kv_connector": "DisaggConnector", "kv_role": "kv_consumer",

@@ -28,7 +28,7 @@ from kvdisagg.proxy.kv_events import (
     source_from_publisher,
     subscriber_address,
 )
-from kvdisagg.testing.servers import free_port
+from kvdisagg.local.servers import free_port
 from tests.support.zmq_relay import LossyRelay
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")

@@ -49,3 +49,16 @@ def test_a_later_pipeline_stage_gets_its_receive_buffer(monkeypatch, first_stage
     assert CPUWorker.compile_or_warm_up_model(worker) == "warmed"
     assert (runner.intermediate_tensors == "buffer") is allocated
     assert made == ([{"batch_size": 8, "dtype": "float32", "device": "cpu"}] if allocated else [])
+
+
+@pytest.mark.parametrize("argv, serves", [
+    (PD_ARGV, True),
+    (["vllm", "serve", "m", '--kv-transfer-config={"kv_connector": "DisaggConnector"}'], True),
+    (["vllm", "serve", "m", "--kv_transfer_config", '{"kv_connector":"DisaggConnector"}'], True),
+    (["vllm", "serve", "m", "--kv-transfer-config", '{"kv_connector":"NixlConnector"}'], False),
+    (["vllm", "serve", "DisaggConnector"], False),  # the word alone is not the config
+    (["vllm", "serve", "m", "--kv-transfer-config"], False),
+    (["vllm", "serve", "m", "--kv-transfer-config", "{not json"], False),
+])
+def test_a_disagg_instance_is_recognised_by_its_kv_transfer_config(argv, serves):
+    assert plugin.serves_disagg_connector(argv) is serves

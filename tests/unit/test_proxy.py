@@ -27,7 +27,7 @@ from kvdisagg.proxy.config import (
     TimeoutConfig,
 )
 from kvdisagg.proxy.types import Role
-from kvdisagg.testing.servers import free_port
+from kvdisagg.local.servers import free_port
 from kvdisagg.tracing import TRACE_PARAMS_KEY, Tracer
 from tests.support.fake_vllm import FakeVllm
 

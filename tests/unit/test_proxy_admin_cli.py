@@ -32,7 +32,7 @@ from kvdisagg.proxy.config import (
 )
 from kvdisagg.proxy.registry import Registry, State
 from kvdisagg.proxy.types import Role
-from kvdisagg.testing.servers import free_port
+from kvdisagg.local.servers import free_port
 from tests.support.fake_vllm import FakeVllm
 
 ROOT = Path(__file__).resolve().parents[2]

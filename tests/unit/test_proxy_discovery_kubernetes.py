@@ -27,7 +27,7 @@ from kvdisagg.proxy.discovery import (
 from kvdisagg.proxy.metrics import Metrics
 from kvdisagg.proxy.registry import Outcome, Registry, State
 from kvdisagg.proxy.types import Role, Side
-from kvdisagg.testing.servers import free_port
+from kvdisagg.local.servers import free_port
 from tests.support.fake_vllm import FakeVllm
 from tests.support.kube_api import KubeApi
 

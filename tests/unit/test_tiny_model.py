@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from kvdisagg.testing.tiny_model import ensure_tiny_model  # noqa: E402
+from kvdisagg.local.tiny_model import ensure_tiny_model  # noqa: E402
 
 
 def _files(d):

@@ -16,7 +16,7 @@ import pytest
 from kvdisagg.errors import ConfigError
 from kvdisagg.proxy.chat_template import accepted_kwargs, detect_content_format
 from kvdisagg.proxy.tokens import RequestTokenizer, TokenizerConfig, TokenizerMode
-from kvdisagg.testing.tiny_model import ensure_tiny_model
+from kvdisagg.local.tiny_model import ensure_tiny_model
 
 vllm_hf = pytest.importorskip("vllm.renderers.hf")
 

@@ -18,7 +18,7 @@ import torch
 from kvdisagg.config import ConnectorConfig
 from kvdisagg.errors import ChecksumMismatch, IncompatiblePeerError, TransportError
 from kvdisagg.sharding import Shape, plan
-from kvdisagg.testing.servers import LMCacheServer, free_port
+from kvdisagg.local.servers import LMCacheServer, free_port
 from tests.support.transport_peer import (BLOCK_SIZE, KV_LAYOUT, PeerProcess, geometry,
                                           kv_caches, model_kv, open_transport, shard_caches)
 from kvdisagg.transport import Fetch, PullTiming
@@ -182,6 +182,22 @@ def test_dead_peer_is_a_typed_error_within_the_timeout(pair, request):
     with pytest.raises(TransportError):
         decode.fetch(fetch_of(peer, "gone", token, [2, 3], [0, 1], prompt), TIMEOUT_S)
     assert time.monotonic() - start < TIMEOUT_S + 1.0
+
+
+def test_lmcache_a_store_that_failed_fails_the_fetch_at_once(pair):
+    """Prefill could not store a handoff (here: block ids it does not hold): it marks the
+    handoff failed in the store, and the decode waiting for its chunks stops at once with that
+    reason instead of polling to its deadline; the blocks still go back to vLLM."""
+    name, _, peer, decode, _ = pair
+    if name != "lmcache":
+        pytest.skip("a store transport's failure: pull transports refuse the Read instead")
+    prompt = prompt_for(2)
+    token = peer.offer("unstorable", [10**6, 10**6 + 1], prompt)
+    assert "unstorable" in peer.released({"unstorable"})
+    start = time.monotonic()
+    with pytest.raises(TransportError, match="could not store this handoff"):
+        decode.fetch(fetch_of(peer, "unstorable", token, [0, 1], [0, 1], prompt), TIMEOUT_S)
+    assert time.monotonic() - start < 2.0 < TIMEOUT_S
 
 
 def test_unreachable_peer_is_a_typed_error_within_the_timeout(pair):

@@ -14,10 +14,17 @@ import torch
 
 from kvdisagg.config import ConnectorConfig
 from kvdisagg.errors import TransferFailed
-from kvdisagg.layout import (LayerRegion, copy_runs, layer_regions, pull_slices, whole_slices,
-                             with_arena)
-from kvdisagg.transport.mooncake import MemoryInfo, MooncakeTransport, _address
+from kvdisagg.layout import (
+    LayerRegion,
+    copy_runs,
+    layer_regions,
+    pull_slices,
+    whole_slices,
+    with_arena,
+)
 from kvdisagg.transport import nccl
+from kvdisagg.transport.base import TRANSPORTS, transport_class
+from kvdisagg.transport.mooncake import MemoryInfo, MooncakeTransport, _address
 from kvdisagg.transport.nccl import NcclTransport, plan_messages, spans
 from kvdisagg.transport.pull import Deadline, PullPlan
 from kvdisagg.transport.tcp import TcpTransport
@@ -295,3 +302,16 @@ def test_mooncake_reads_a_window_per_block_at_both_sides_addresses() -> None:
                       50_000 + 3 * 256 + 128, 50_000 + 4 * 256 + 128]
     assert local == [base[0], base[0] + 128, base[1], base[1] + 128]
     assert lengths == [128] * 4
+
+
+@pytest.mark.parametrize("name", sorted(TRANSPORTS))
+def test_every_transport_has_the_whole_protocol(name):
+    """The worker calls the Transport protocol's members directly (no duck-typed probes), so
+    each transport defines every one of them."""
+    from kvdisagg.transport.base import Transport
+
+    cls = transport_class(name)
+    members = {m for m in vars(Transport) if not m.startswith("_")} | {"name", "keyed_by_tokens"}
+    missing = sorted(m for m in members if not hasattr(cls, m))
+    assert not missing, f"{name} lacks {missing}"
+    assert isinstance(cls.keyed_by_tokens, bool)

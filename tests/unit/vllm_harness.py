@@ -94,7 +94,7 @@ CONNECTOR_STATE_EXEMPT = frozenset({
 })
 
 # A config.json is all vLLM's ModelConfig needs (skip_tokenizer_init): Llama shape of
-# kvdisagg.testing.tiny_model, without generating weights.
+# kvdisagg.local.tiny_model, without generating weights.
 _MODEL_CONFIG = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256,
     num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=2,

@@ -16,8 +16,6 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-HELP = "measure TTFT/TPOT, SLO attainment and goodput of OpenAI endpoints under open-loop load"
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("endpoints")
@@ -132,131 +130,176 @@ def _range(spec: str, flag: str) -> tuple[float, float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import msgspec
+    """Check the options, run the load (rates, a sweep, or a trace), then report."""
     from rich.console import Console
 
-    from kvdisagg.bench import plots, report, workload
-    from kvdisagg.bench.client import ClientConfig
-    from kvdisagg.bench.records import (
-        BenchResult,
-        RequestRecord,
-        RunSummary,
-        Slo,
-        SweepPoint,
-        SweepResult,
-    )
-    from kvdisagg.bench.runner import Endpoint, run_once
-    from kvdisagg.bench.sweep import bisect_max_rate, max_rate_from_points
-
-    eps = _endpoints(args)
-    if not (args.ttft_slo > 0 and args.tpot_slo > 0):
-        raise _fail("--ttft-slo and --tpot-slo must be > 0")
-    if not 0 < args.attainment <= 1:
-        raise _fail("--attainment must be in (0, 1]")
-    if args.rate and args.sweep:
-        raise _fail("give --rate or --sweep, not both")
-    if not args.rate and not args.sweep and not args.trace:
-        raise _fail("give --rate R [R ...], --sweep LO:HI or --trace FILE")
-    if args.rate and any(r <= 0 for r in args.rate):
-        raise _fail("rates must be > 0")
-    try:
-        dataset = workload.load_dataset(args.trace or args.dataset) if (
-            args.trace or args.dataset) else None
-        plen = workload.LengthDist(args.prompt_len, args.max_prompt_len)
-        olen = workload.LengthDist(args.output_len, args.max_output_len)
-    except ValueError as exc:
-        raise _fail(str(exc)) from None
-    if dataset and (args.max_prompt_len or args.max_output_len):
-        dataset = [workload.RequestLengths(min(d.prompt_len, args.max_prompt_len or d.prompt_len),
-                                    min(d.output_len, args.max_output_len or d.output_len),
-                                    d.prompt, d.timestamp) for d in dataset]
-    lo, hi = _range(args.token_id_range, "--token-id-range")
-    token_ids = None if args.text_prompts or args.api == "chat" else (int(lo), int(hi))
-    slo = Slo(ttft_s=args.ttft_slo, tpot_s=args.tpot_slo)
-    try:
-        extra_body = json.loads(args.extra_body)
-    except ValueError as exc:
-        raise _fail(f"--extra-body is not JSON: {exc}") from None
-    if not isinstance(extra_body, dict):
-        raise _fail("--extra-body must be a JSON object")
-    phase_urls = [u.rstrip("/") for u in args.phases_from]
-    if bad := [u for u in phase_urls if not u.startswith(("http://", "https://"))]:
-        raise _fail(f"--phases-from {bad[0]!r}: the URL must start with http:// or https://")
-    models = {e.name: args.model or _first_model(e.url, args.connect_timeout) for e in eps}
+    options = _Options(args)
     # stderr: stdout stays clean for --json; wide when logged, so the tables stay readable
     console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    records_path = out / "records.jsonl"
-    records_file = open(records_path, "wb")
-    enc = msgspec.json.Encoder()
-    all_records: list[RequestRecord] = []
-    runs: list[RunSummary] = []
-    salt = 0
-    warmed: set[str] = set()
+    with _Session(args, options, console, out / "records.jsonl") as session:
+        sweeps = session.sweep() if args.sweep else session.at_rates()
+    return _report(args, options, console, out, session, sweeps)
 
-    def one_run(ep: Endpoint, rate: float | None) -> RunSummary:
-        nonlocal salt
-        salt += 1
+
+class _Options:
+    """The command line checked once, as the types the runs use."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from kvdisagg.bench import workload
+        from kvdisagg.bench.records import Slo
+
+        self.endpoints = _endpoints(args)
+        if not (args.ttft_slo > 0 and args.tpot_slo > 0):
+            raise _fail("--ttft-slo and --tpot-slo must be > 0")
+        if not 0 < args.attainment <= 1:
+            raise _fail("--attainment must be in (0, 1]")
+        if args.rate and args.sweep:
+            raise _fail("give --rate or --sweep, not both")
+        if not args.rate and not args.sweep and not args.trace:
+            raise _fail("give --rate R [R ...], --sweep LO:HI or --trace FILE")
+        if args.rate and any(r <= 0 for r in args.rate):
+            raise _fail("rates must be > 0")
+        try:
+            dataset = workload.load_dataset(args.trace or args.dataset) if (
+                args.trace or args.dataset) else None
+            self.prompt_len = workload.LengthDist(args.prompt_len, args.max_prompt_len)
+            self.output_len = workload.LengthDist(args.output_len, args.max_output_len)
+        except ValueError as exc:
+            raise _fail(str(exc)) from None
+        if dataset and (args.max_prompt_len or args.max_output_len):
+            dataset = [workload.RequestLengths(
+                min(d.prompt_len, args.max_prompt_len or d.prompt_len),
+                min(d.output_len, args.max_output_len or d.output_len),
+                d.prompt, d.timestamp) for d in dataset]
+        self.dataset = dataset
+        lo, hi = _range(args.token_id_range, "--token-id-range")
+        self.token_ids = None if args.text_prompts or args.api == "chat" else (int(lo), int(hi))
+        self.slo = Slo(ttft_s=args.ttft_slo, tpot_s=args.tpot_slo)
+        try:
+            self.extra_body = json.loads(args.extra_body)
+        except ValueError as exc:
+            raise _fail(f"--extra-body is not JSON: {exc}") from None
+        if not isinstance(self.extra_body, dict):
+            raise _fail("--extra-body must be a JSON object")
+        self.phase_urls = [u.rstrip("/") for u in args.phases_from]
+        if bad := [u for u in self.phase_urls if not u.startswith(("http://", "https://"))]:
+            raise _fail(f"--phases-from {bad[0]!r}: the URL must start with http:// or https://")
+        self.models = {e.name: args.model or _first_model(e.url, args.connect_timeout)
+                       for e in self.endpoints}
+
+
+class _Session:
+    """The runs of one invocation: each appends its records to the records file as it ends."""
+
+    def __init__(self, args: argparse.Namespace, options: _Options, console: Any,
+                 records_path: Path) -> None:
+        self.args, self.options, self.console = args, options, console
+        self.records_path = records_path
+        self.records: list[Any] = []  # RequestRecord
+        self.runs: list[Any] = []  # RunSummary
+        self._salt = 0
+        self._warmed: set[str] = set()
+
+    def __enter__(self) -> _Session:
+        import msgspec
+
+        self._file = open(self.records_path, "wb")
+        self._encode = msgspec.json.Encoder().encode
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._file.close()
+
+    def one_run(self, ep: Any, rate: float | None) -> Any:
+        """One open-loop run against ``ep`` at ``rate`` (None: the trace's own timing)."""
+        from kvdisagg.bench import report, workload
+        from kvdisagg.bench.client import ClientConfig
+        from kvdisagg.bench.runner import run_once
+
+        args, o = self.args, self.options
+        self._salt += 1
         ep_rate = rate * ep.gpus if (rate is not None and args.per_gpu_rate) else rate
         if args.trace:
-            n = len(dataset or [])
+            n = len(o.dataset or [])
         elif args.duration:
             n = max(1, math.ceil((ep_rate or 0) * args.duration))
         else:
             n = args.num_requests
-        specs = workload.build(n, ep_rate, seed=args.seed, salt=salt, arrival=args.arrival,
-                               prompt_len=plen, output_len=olen, dataset=dataset,
-                               trace=bool(args.trace), token_ids=token_ids)
-        warm = [] if ep.name in warmed else workload.build(
-            max(1, args.warmup), 1.0, seed=args.seed + 99, salt=-salt,
+        specs = workload.build(n, ep_rate, seed=args.seed, salt=self._salt,
+                               arrival=args.arrival, prompt_len=o.prompt_len,
+                               output_len=o.output_len, dataset=o.dataset,
+                               trace=bool(args.trace), token_ids=o.token_ids)
+        warm = [] if ep.name in self._warmed else workload.build(
+            max(1, args.warmup), 1.0, seed=args.seed + 99, salt=-self._salt,
             prompt_len=workload.LengthDist("16"), output_len=workload.LengthDist("4"),
-            token_ids=token_ids)[:args.warmup]
-        warmed.add(ep.name)
-        cfg = ClientConfig(model=models[ep.name], api=args.api, connect_s=args.connect_timeout,
+            token_ids=o.token_ids)[:args.warmup]
+        self._warmed.add(ep.name)
+        cfg = ClientConfig(model=o.models[ep.name], api=args.api, connect_s=args.connect_timeout,
                            idle_s=args.idle_timeout, total_s=args.timeout, api_key=args.api_key,
-                           extra_body=extra_body)
+                           extra_body=o.extra_body)
         label = f"{ep.name}@{ep_rate:g}" if ep_rate is not None else f"{ep.name}@trace"
-        with report.RunProgress(console, label, len(specs), enabled=not args.quiet) as prog:
-            outcome = asyncio.run(run_once(ep, specs, cfg, slo, run=label, rate=ep_rate,
+        with report.RunProgress(self.console, label, len(specs),
+                                enabled=not args.quiet) as prog:
+            outcome = asyncio.run(run_once(ep, specs, cfg, o.slo, run=label, rate=ep_rate,
                                            on_done=prog.done, warmup=warm,
                                            proxy_window_s=args.proxy_window,
-                                           phase_urls=phase_urls))
+                                           phase_urls=o.phase_urls))
         for rec in outcome.records:
-            records_file.write(enc.encode(rec) + b"\n")
-        records_file.flush()
-        all_records.extend(outcome.records)
-        runs.append(outcome.summary)
+            self._file.write(self._encode(rec) + b"\n")
+        self._file.flush()
+        self.records.extend(outcome.records)
+        self.runs.append(outcome.summary)
         return outcome.summary
 
-    def attainment(ep: Endpoint, rate: float) -> float:
-        return one_run(ep, rate).attainment
+    def sweep(self) -> list[Any]:
+        """--sweep: per endpoint, bisect the highest rate that meets the attainment goal."""
+        from kvdisagg.bench.records import SweepPoint
+        from kvdisagg.bench.sweep import bisect_max_rate
 
-    sweeps: list[SweepResult] = []
-    try:
-        if args.sweep:
-            lo_r, hi_r = _range(args.sweep, "--sweep")
-            for ep in eps:
-                best, probes = bisect_max_rate(lambda r, ep=ep: attainment(ep, r), lo_r, hi_r,
-                                               args.attainment, args.sweep_steps)
-                k = ep.gpus if args.per_gpu_rate else 1  # probes -> endpoint rates
-                sweeps.append(_sweep(ep, best.rate * k if best.rate is not None else None,
-                                     best.censored,
-                                     [SweepPoint(p.rate * k, p.attainment) for p in probes],
-                                     args.attainment))
-        else:
-            rates: list[float | None] = list(args.rate) if args.rate else [None]
-            for rate in rates:
-                for ep in eps:
-                    one_run(ep, rate)
-            if args.rate and len(args.rate) > 1:
-                for ep in eps:
-                    pts = [SweepPoint(r.rate or 0.0, r.attainment) for r in runs
-                           if r.endpoint == ep.name]
-                    best = max_rate_from_points(pts, args.attainment)
-                    sweeps.append(_sweep(ep, best.rate, best.censored, pts, args.attainment))
-    finally:
-        records_file.close()
+        args, out = self.args, []
+        lo, hi = _range(args.sweep, "--sweep")
+        for ep in self.options.endpoints:
+            best, probes = bisect_max_rate(lambda r, ep=ep: self.one_run(ep, r).attainment,
+                                           lo, hi, args.attainment, args.sweep_steps)
+            k = ep.gpus if args.per_gpu_rate else 1  # probes -> endpoint rates
+            out.append(_sweep(ep, best.rate * k if best.rate is not None else None,
+                              best.censored,
+                              [SweepPoint(p.rate * k, p.attainment) for p in probes],
+                              args.attainment))
+        return out
+
+    def at_rates(self) -> list[Any]:
+        """--rate R...(or --trace): every endpoint at each rate; several rates also give each
+        endpoint's highest rate meeting the goal."""
+        from kvdisagg.bench.records import SweepPoint
+        from kvdisagg.bench.sweep import max_rate_from_points
+
+        args = self.args
+        for rate in (list(args.rate) if args.rate else [None]):
+            for ep in self.options.endpoints:
+                self.one_run(ep, rate)
+        if not (args.rate and len(args.rate) > 1):
+            return []
+        out = []
+        for ep in self.options.endpoints:
+            pts = [SweepPoint(r.rate or 0.0, r.attainment) for r in self.runs
+                   if r.endpoint == ep.name]
+            best = max_rate_from_points(pts, args.attainment)
+            out.append(_sweep(ep, best.rate, best.censored, pts, args.attainment))
+        return out
+
+
+def _report(args: argparse.Namespace, options: _Options, console: Any, out: Path,
+            session: _Session, sweeps: list[Any]) -> int:
+    """summary.json, the tables, the plots, --json; 2 if a run had no success."""
+    import msgspec
+
+    from kvdisagg.bench import plots, report
+    from kvdisagg.bench.records import BenchResult
+
+    runs, slo = session.runs, options.slo
     result = BenchResult(slo=slo, target_attainment=args.attainment, command=sys.argv[:],
                          runs=runs, sweeps=sweeps)
     (out / "summary.json").write_bytes(msgspec.json.format(msgspec.json.encode(result)))
@@ -266,12 +309,12 @@ def run(args: argparse.Namespace) -> int:
     if sweeps:
         console.print(report.sweeps_table(sweeps))
     if not args.no_plots:
-        paths = [plots.latency_cdfs(all_records, slo, out / "latency_cdf.png")]
+        paths = [plots.latency_cdfs(session.records, slo, out / "latency_cdf.png")]
         if any(r.rate is not None for r in runs):
             paths.append(plots.attainment_vs_rate(runs, args.attainment,
                                                   out / "attainment_vs_rate.png"))
         console.print("plots: " + ", ".join(map(str, paths)))
-    console.print(f"records: {records_path}  summary: {out / 'summary.json'}")
+    console.print(f"records: {session.records_path}  summary: {out / 'summary.json'}")
     if args.json:
         sys.stdout.write(msgspec.json.encode(result).decode() + "\n")
     broken = [r.run for r in runs if r.ok == 0]

@@ -10,8 +10,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-HELP = "measure prefill/decode batch latency of a live vLLM instance and fit a planner profile"
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", required=True, help="base URL of an idle vLLM instance")

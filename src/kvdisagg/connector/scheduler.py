@@ -63,14 +63,31 @@ PrefixLookup = Callable[[Sequence[int], str, Shape], int]  # (prompt, kv_layout,
 HandoffKey = tuple[str, str, str]  # (remote_engine_id, remote_request_id, token)
 
 
-def handoff_key(params: dict[str, Any] | None) -> HandoffKey | None:
-    """Which handoff a decode request's params name (siblings of ``n > 1`` share one)."""
-    if not params or not params.get("do_remote_prefill"):
-        return None
-    extras = params.get("kvdisagg")
-    key = (params.get("remote_engine_id"), params.get("remote_request_id"),
-           extras.get("token") if isinstance(extras, dict) else None)
-    return key if all(isinstance(k, str) for k in key) else None  # type: ignore[return-value]
+@dataclasses.dataclass
+class _Incoming:
+    """A decode request that arrived with a handoff: its kv_transfer_params converted once, at
+    arrival (vLLM's ``on_new_request``), and what became of it."""
+
+    handoff: RemotePrefill | None  # None: unusable params, ``error`` says why
+    error: str = ""
+    trace: str | None = None  # the proxy leg's traceparent, validated
+    # Why it computes its prompt itself ('' while it does not, as far as is known).
+    recomputed: str = ""
+
+    @classmethod
+    def of(cls, params: dict[str, Any]) -> _Incoming:
+        trace = valid_traceparent(params.get(TRACE_PARAMS_KEY))
+        try:
+            return cls(msgspec.convert(params, RemotePrefill), trace=trace)
+        except msgspec.ValidationError as exc:
+            return cls(None, error=f"invalid kv_transfer_params: {exc}", trace=trace)
+
+    @property
+    def key(self) -> HandoffKey | None:
+        """Which handoff it names (siblings of ``n > 1`` share one)."""
+        h = self.handoff
+        return None if h is None else (h.remote_engine_id, h.remote_request_id,
+                                       h.kvdisagg.token)
 
 
 @dataclasses.dataclass
@@ -104,11 +121,10 @@ class DisaggScheduler:
         self.kv_layout = ""
         self.keyed_by_tokens = False
         self._pulled: set[str] = set()  # decode requests whose load was already planned
+        # Decode requests that arrived with a handoff, until they finish.
+        self._incoming: dict[str, _Incoming] = {}
         self._key_of: dict[str, HandoffKey] = {}  # decode request -> the handoff it carries
         self._shared: dict[HandoffKey, _Shared] = {}
-        # Decode requests that arrived with a handoff -> why they compute their prompt
-        # themselves ('' while they do not, as far as is known), until they finish.
-        self._handed: dict[str, str] = {}
         self._sends: list[SendSpec] = []
         self._loads: list[LoadSpec] = []
         self.leases: LeaseKeeper | None = None  # decode: keeps held handoffs alive
@@ -143,20 +159,17 @@ class DisaggScheduler:
                                       geometry=ranks[0][1].geometry if ranks else None)
 
     def on_new_request(self, request: Request) -> None:
-        """Decode: hold the request's handoff from now on (renewed while it waits)."""
+        """Decode: convert the request's handoff params once and hold the handoff from now on
+        (renewed while it waits)."""
         params = request.kv_transfer_params
         if not self.is_consumer or not (params and params.get("do_remote_prefill")):
             return
-        self._handed[request.request_id] = ""
-        if (key := handoff_key(params)) is not None:
+        incoming = self._incoming[request.request_id] = _Incoming.of(params)
+        if (key := incoming.key) is not None:
             self._key_of[request.request_id] = key
             self._shared.setdefault(key, _Shared()).refs += 1
-        if self.leases is None:
-            return
-        try:
-            p = msgspec.convert(params, RemotePrefill)
-        except msgspec.ValidationError:
-            return  # refused when its load is planned
+        if self.leases is None or (p := incoming.handoff) is None:
+            return  # unusable params are refused when its load is planned
         self.leases.hold(request.request_id, Held(
             p.remote_request_id, p.kvdisagg.token, p.remote_host, tuple(p.kvdisagg.ports),
             p.kvdisagg.lease_s))
@@ -166,8 +179,9 @@ class DisaggScheduler:
         """A reported load ends the hold (a failed one also releases prefill's KV); staged
         handoffs freed on every worker give their arena blocks back."""
         for req_id in finished_recving:
-            if req_id in failed_recving and self._handed.get(req_id) == "":
-                self._handed[req_id] = "load_failed"  # recomputed if the request then finishes
+            incoming = self._incoming.get(req_id)
+            if req_id in failed_recving and incoming is not None and not incoming.recomputed:
+                incoming.recomputed = "load_failed"  # recomputed if the request then finishes
             if self.leases is not None:
                 self.leases.drop(req_id, release=req_id in failed_recving)
             shared = self._shared.get(self._key_of.get(req_id))  # type: ignore[arg-type]
@@ -202,20 +216,18 @@ class DisaggScheduler:
                                    ) -> tuple[int, bool]:
         """Side-effect free. The whole rest of the prompt is loadable; vLLM recomputes the last
         token itself (it sets computed = prompt - 1 after the load)."""
-        params = request.kv_transfer_params
         if request.request_id in self._pulled:
             return 0, False
         shared = self._sibling_of(request.request_id)
         if shared is not None and not shared.failed:
             # A sibling pulls this handoff: wait for it, then use decode's prefix cache.
             return (0, False) if shared.landed else (None, False)  # type: ignore[return-value]
-        if self.is_consumer and params and params.get("do_remote_prefill"):
+        if (incoming := self._incoming.get(request.request_id)) is not None:
             # Never claim past what prefill computed (a handoff of another, shorter prompt);
-            # bad types are refused when the load is planned.
-            remote = params.get("remote_num_tokens")
+            # unusable params are refused when the load is planned.
             end = request.num_prompt_tokens
-            if isinstance(remote, int) and not isinstance(remote, bool) and 0 <= remote < end:
-                end = remote
+            if incoming.handoff is not None:
+                end = min(end, incoming.handoff.remote_num_tokens)
             count = end - num_computed_tokens
             return (count, True) if count > 0 else (0, False)
         if self.prefix_lookup is not None and self.kv_layout:
@@ -241,19 +253,18 @@ class DisaggScheduler:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        params = request.kv_transfer_params
         stored = self._stored.pop(request.request_id, 0)
         if request.request_id in self._pulled:
             return
-        if not (self.is_consumer and params and params.get("do_remote_prefill")):
+        if (incoming := self._incoming.get(request.request_id)) is None:
             if num_external_tokens > 0 and stored:
                 self._pulled.add(request.request_id)
                 self._loads.append(self._plan_prefix_load(request, blocks, num_external_tokens,
                                                           stored))
             return
         self._pulled.add(request.request_id)  # never pull twice (recompute, preemption)
-        if request.skip_reading_prefix_cache and request.request_id in self._handed:
-            self._handed[request.request_id] = "not_read"  # vLLM claimed nothing of the load
+        if request.skip_reading_prefix_cache:
+            incoming.recomputed = "not_read"  # vLLM claimed nothing of the load
         if (shared := self._sibling_of(request.request_id)) is not None:
             if self.leases is not None:  # the owner's load reads and releases the handoff
                 self.leases.drop(request.request_id, release=False)
@@ -269,16 +280,16 @@ class DisaggScheduler:
         # first.. (by position), whatever prefill offered beyond the prompt.
         first = len(blocks.get_block_ids()[0]) - len(local) if local else 0
         local = local[:-(-num_external_tokens // self.block_size)] if local else []
-        load = self._plan_load(request.request_id, params, local, first)
-        if load.error and self._handed.get(request.request_id) == "":
-            self._handed[request.request_id] = "invalid_params"
+        load = self._plan_load(request.request_id, incoming, local, first)
+        if load.error and not incoming.recomputed:
+            incoming.recomputed = "invalid_params"
         if (load.error or load.release_only) and self.leases is not None:
             self.leases.drop(request.request_id, release=False)  # the worker reports no load
         if self.keyed_by_tokens and not load.error:
             load = dataclasses.replace(load, prompt_token_ids=tuple(request.prompt_token_ids))
         if not (load.error or load.release_only):
-            span = self.tracer.start("kvdisagg.load", valid_traceparent(
-                params.get(TRACE_PARAMS_KEY)), attributes={"kvdisagg.blocks": len(local)})
+            span = self.tracer.start("kvdisagg.load", incoming.trace,
+                                     attributes={"kvdisagg.blocks": len(local)})
             self._load_started[request.request_id] = (time.perf_counter(), span)
             load = dataclasses.replace(load, trace=traceparent_of(span))
         self._loads.append(load)
@@ -293,13 +304,11 @@ class DisaggScheduler:
                         local_block_ids=tuple(local), first_block=first,
                         prompt_token_ids=tuple(request.prompt_token_ids))
 
-    def _plan_load(self, req_id: str, raw: dict[str, Any], local: list[int],
+    def _plan_load(self, req_id: str, incoming: _Incoming, local: list[int],
                    first: int = 0) -> LoadSpec:
         """Pull prompt blocks ``first..`` (by position) of the handoff into ``local``."""
-        try:
-            p = msgspec.convert(raw, RemotePrefill)
-        except msgspec.ValidationError as exc:
-            return LoadSpec(req_id=req_id, error=f"invalid kv_transfer_params: {exc}")
+        if (p := incoming.handoff) is None:
+            return LoadSpec(req_id=req_id, error=incoming.error)
         # Any TP and PP on either side: each decode rank reads its heads and layers from the
         # prefill ranks holding them (sharding.py).
         prefill = Shape(p.tp_size, tuple(p.kvdisagg.stages))
@@ -336,8 +345,9 @@ class DisaggScheduler:
         self._stored.pop(request.request_id, None)
         finished = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED,
                                       RequestStatus.FINISHED_STOPPED)
-        if (reason := self._handed.pop(request.request_id, "")) and finished:
-            self._stats.recomputed(reason)  # answered, from a prompt computed here
+        incoming = self._incoming.pop(request.request_id, None)
+        if incoming is not None and incoming.recomputed and finished:
+            self._stats.recomputed(incoming.recomputed)  # answered, from a prompt computed here
         if (key := self._key_of.pop(request.request_id, None)) is not None:
             shared = self._shared[key]
             if shared.owner == request.request_id and not shared.landed:

@@ -48,8 +48,7 @@ class DisaggWorker:
         self.transport = load_transport(config, self.tp_rank)
         self.tracer = Tracer.otlp(config.otlp_traces_endpoint,
                                   f"kvdisagg-{'prefill' if self.is_producer else 'decode'}")
-        if hasattr(self.transport, "observe"):  # pull transports time prefill's serving
-            self.transport.tracer, self.transport.observe = self.tracer, self._observe
+        self.transport.instrument(self.tracer, self._observe)
         self.kv_layout = ""
         self.port = 0
         self.regions: list[LayerRegion] = []
@@ -91,7 +90,7 @@ class DisaggWorker:
 
     def _arena_blocks(self) -> int:
         """Staging arena size (config ``staging_blocks``); store transports copy out anyway."""
-        if getattr(self.transport, "keyed_by_tokens", False) or not self.regions:
+        if self.transport.keyed_by_tokens or not self.regions:
             return 0
         if self.config.staging_blocks >= 0:
             return self.config.staging_blocks
@@ -102,7 +101,7 @@ class DisaggWorker:
         return WorkerHandshake(port=self.port, kv_layout=self.kv_layout,
                                transport=self.transport.name, geometry=self.geometry,
                                stages=self.shape.stages,
-                               keyed_by_tokens=getattr(self.transport, "keyed_by_tokens", False),
+                               keyed_by_tokens=self.transport.keyed_by_tokens,
                                num_blocks=self.regions[0].num_blocks if self.regions else 0,
                                stage_blocks=self.regions[0].stage_blocks if self.regions else 0)
 
@@ -113,8 +112,7 @@ class DisaggWorker:
         if meta is self._offered:
             return
         self._offered = meta
-        if (step := getattr(self.transport, "step", None)) is not None:
-            step(True)  # a step began: Reads waiting for their handoff see progress
+        self.transport.step(True)  # a step began: Reads waiting for their handoff see progress
         for send in meta.sends:
             if send.stage_from:
                 start_ns = now_ns()
@@ -162,7 +160,9 @@ class DisaggWorker:
         try:
             for part in parts:
                 src = self.rank if part is None else part.src
-                timings.append(PullTiming(now_ns()))
+                # Phases back to back: each part's clock starts where the last phase ended.
+                begin = timings[-1].marks[-1][1] if timings and timings[-1].marks else start_ns
+                timings.append(PullTiming(begin))
                 nbytes += self.transport.fetch(Fetch(
                     handoff_id=load.handoff_id, token=load.token, host=load.host,
                     port=load.ports[src] if src < len(load.ports) else 0,
@@ -214,11 +214,10 @@ class DisaggWorker:
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving). Never blocks. Ends the step."""
-        if self._offered is not None and (step := getattr(self.transport, "step", None)):
-            step(False)
+        if self._offered is not None:
+            self.transport.step(False)
         released = self.transport.take_released()
-        table = getattr(self.transport, "table", None)  # pull transports' handoff table
-        expired = table.expired_unread - self._expired_seen if table is not None else 0
+        expired = self.transport.expired_unread() - self._expired_seen
         if (released and self.is_producer) or expired:
             with self._lock:
                 self.stats.add(handoffs_freed=len(released), handoffs_expired=expired)

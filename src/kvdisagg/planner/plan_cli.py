@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-HELP = "find the placement (prefill/decode parallelism and counts) with the best goodput per GPU"
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvdisagg.planner.cli_common import add_common

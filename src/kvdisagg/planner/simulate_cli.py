@@ -6,8 +6,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-HELP = "simulate one placement: goodput per GPU, or attainment and tightest SLO scale at --rate"
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvdisagg.planner.cli_common import add_common

@@ -36,7 +36,6 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-HELP = "call the proxy's admin API: list, add, drain, undrain, remove instances"
 PROXY_ENV = "KVDISAGG_PROXY_ADMIN"
 KEY_ENV = "KVDISAGG_ADMIN_KEY"  # the proxy reads the same variable (proxy/config.py)
 DEFAULT_PROXY = "http://127.0.0.1:8001"

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 
-HELP = "OpenAI-compatible P/D proxy and global scheduler in front of vLLM fleets"
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="proxy config, .yaml/.yml or .toml")

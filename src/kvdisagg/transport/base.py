@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import importlib
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Protocol, Sequence
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from kvdisagg.errors import ConfigError
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from kvdisagg.config import ConnectorConfig
     from kvdisagg.layout import KvGeometry, LayerRegion
     from kvdisagg.sharding import Part, Shape
+    from kvdisagg.tracing import Tracer
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,23 @@ class PullTiming:
 
 class Transport(Protocol):
     name: ClassVar[str]
+    keyed_by_tokens: ClassVar[bool]
+    """True for a store keyed by the prompt's tokens (LMCache): it copies out what it offers,
+    so prefill needs no staging arena, and decode finds chunks by tokens, not by a handoff."""
+
+    def instrument(self, tracer: Tracer, observe: Callable[[str, float], None]) -> None:
+        """The worker's tracer and phase histograms, for the work the transport does on its
+        own threads (prefill serving a Read)."""
+        ...
+
+    def step(self, running: bool) -> None:
+        """Prefill: an engine step started (``running``) or ended; a Read waiting for its
+        handoff measures the engine's progress by these."""
+        ...
+
+    def expired_unread(self) -> int:
+        """Prefill: handoffs freed because their lease ran out before a read (ever)."""
+        ...
 
     def register(self, regions: Sequence[LayerRegion], *, kv_layout: str, block_size: int,
                  is_producer: bool, geometry: KvGeometry | None = None,

@@ -35,8 +35,9 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple, Sequence
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from lmcache.utils import CacheEngineKey
@@ -69,6 +70,7 @@ from kvdisagg.layout import (
 )
 from kvdisagg.protocol import recv_into_exact, recv_into_views, send_views
 from kvdisagg.sharding import Shape
+from kvdisagg.tracing import Tracer
 from kvdisagg.transport.base import Fetch, Offer, PullTiming
 from kvdisagg.transport.pull import Deadline
 from kvdisagg.transport.tcp import host_bytes
@@ -110,6 +112,21 @@ def chunk_plan(prompt: Sequence[int], *, kv_layout: str, block_size: int, chunk_
         chunks.append(Chunk(index, key, index * blocks_per_chunk,
                             -(-len(tokens) // block_size)))
     return chunks
+
+
+def failure_key(handoff_id: str, *, kv_layout: str, rank: int,
+                shape: Shape = Shape(1)) -> CacheEngineKey:
+    """Where rank ``rank`` of prefill marks a handoff it could not store: decode, waiting for
+    the handoff's chunks, finds the mark and fails the load at once instead of polling to its
+    deadline for chunks that will never come."""
+    digest = hashlib.blake2b(f"failed:{handoff_id}".encode(), digest_size=16).digest()
+    return CacheEngineKey(model_name=f"kvdisagg{CHUNK_FORMAT}-failed-{kv_layout}-{shape.key()}",
+                          world_size=1, worker_id=rank,
+                          chunk_hash=int.from_bytes(digest, "big"), dtype=torch.uint8)
+
+
+FAILURE_CHECK_S = 0.1  # how often a decode waiting for a chunk looks for prefill's failure mark
+FAILURE_MARK_S = 2.0  # bound on writing the mark (the server may be what failed)
 
 
 class LMCacheClient:
@@ -265,6 +282,15 @@ class LMCacheTransport:
         self._store_thread: threading.Thread | None = None
 
     # ---- Transport ------------------------------------------------------------------------
+    def instrument(self, tracer: Tracer, observe: Callable[[str, float], None]) -> None:
+        """Nothing of prefill's is served on LMCache's side: no spans or phases of its own."""
+
+    def step(self, running: bool) -> None:
+        """Stores are not tied to engine steps."""
+
+    def expired_unread(self) -> int:
+        return 0  # stored chunks outlive the handoff; the store evicts them by its own rules
+
     def register(self, regions: Sequence[LayerRegion], *, kv_layout: str, block_size: int,
                  is_producer: bool, geometry: KvGeometry | None = None,
                  rank: int | None = None, shape: Shape | None = None) -> int:
@@ -321,6 +347,9 @@ class LMCacheTransport:
             return 0  # a release-only Part: the store keeps nothing per reader
         layout = self._chunk_layout(fetch)
         client = self._client()
+        failed = failure_key(fetch.handoff_id, kv_layout=self.kv_layout,
+                             rank=self.rank if part is None else part.src,
+                             shape=self.shape if part is None else fetch.prefill or self.shape)
         nbytes = 0
         chunks = (self.chunks(fetch.prompt_token_ids) if part is None else
                   self.chunks(fetch.prompt_token_ids, part.src, fetch.prefill or self.shape))
@@ -332,18 +361,18 @@ class LMCacheTransport:
             dst = {b: fetch.local_block_ids[b - fetch.first_block] for b in needed}
             if all(h is not None for h in self._host):
                 parts = self._scatter_views(blocks, dst, layout)
-                self._get(client, chunk, parts, deadline)
+                self._get(client, chunk, parts, deadline, failed)
             else:
-                self._fetch_staged(client, chunk, dst, layout, deadline)
+                self._fetch_staged(client, chunk, dst, layout, deadline, failed)
             nbytes += len(needed) * sum(c.nbytes for c in layout)
         return nbytes
 
     def _get(self, client: LMCacheClient, chunk: Chunk, parts: list[memoryview],
-             deadline: Deadline) -> None:
+             deadline: Deadline, failed: CacheEngineKey) -> None:
         """GET a chunk into ``parts`` (waiting for it until the deadline), then check its
         checksum against the pages as they landed."""
         trailer = memoryview(bytearray(TRAILER_BYTES))
-        self._receive(client, chunk, [*parts, trailer], deadline)
+        self._receive(client, chunk, [*parts, trailer], deadline, failed)
         try:
             stored = unpack_trailer(trailer)
         except ValueError as exc:
@@ -357,8 +386,16 @@ class LMCacheTransport:
                 f"{landed.hex()} received; the load fails")
 
     def _receive(self, client: LMCacheClient, chunk: Chunk, parts: list[memoryview],
-                 deadline: Deadline) -> None:
+                 deadline: Deadline, failed: CacheEngineKey) -> None:
+        """GET the chunk, polling while prefill has not stored it yet, until the deadline or
+        until prefill's failure mark for the handoff shows up."""
+        next_check = time.monotonic()
         while not client.get_into(chunk.key, parts, deadline):
+            if time.monotonic() >= next_check:
+                if client.exists(failed, deadline):
+                    raise TransferFailed(f"prefill could not store this handoff in LMCache "
+                                         f"({client.url}; prefill's log says why)")
+                next_check = time.monotonic() + FAILURE_CHECK_S
             time.sleep(min(POLL_S, deadline.left()))
 
     def _chunk_layout(self, fetch: Fetch) -> list[_ChunkLayer]:
@@ -412,10 +449,11 @@ class LMCacheTransport:
         return parts
 
     def _fetch_staged(self, client: LMCacheClient, chunk: Chunk, dst: dict[int, int],
-                      layout: list[_ChunkLayer], deadline: Deadline) -> None:
+                      layout: list[_ChunkLayer], deadline: Deadline,
+                      failed: CacheEngineKey) -> None:
         """KV off the host (CUDA): the chunk through one host buffer, then page copies."""
         scratch = torch.empty(sum(c.page for c in layout) * chunk.num_blocks, dtype=torch.uint8)
-        self._get(client, chunk, [host_bytes(scratch)], deadline)
+        self._get(client, chunk, [host_bytes(scratch)], deadline, failed)
         at = 0
         for page, i, offset, nbytes, into in layout:
             if i >= 0:
@@ -449,9 +487,22 @@ class LMCacheTransport:
                 self._store(offer)
             except TransportError as exc:
                 logger.error("kvdisagg: storing %s in LMCache failed: %s", offer.handoff_id, exc)
+                if offer.token:  # a handoff a decode waits for (not a finished decode's KV)
+                    self._mark_failed(offer.handoff_id)
             finally:
                 with self._released_lock:  # stored or not, the blocks go back to vLLM
                     self._released.add(offer.handoff_id)
+
+    def _mark_failed(self, handoff_id: str) -> None:
+        """Tell the decode waiting for ``handoff_id`` that its chunks will not come (best
+        effort: with the server down, decode's own GETs fail anyway)."""
+        key = failure_key(handoff_id, kv_layout=self.kv_layout, rank=self.rank, shape=self.shape)
+        try:
+            self._client().put(key, [memoryview(b"\x01")],
+                               Deadline(FAILURE_MARK_S, f"failure mark of {handoff_id}"))
+        except TransportError as exc:
+            logger.warning("kvdisagg: could not mark %s as failed in LMCache either: %s",
+                           handoff_id, exc)
 
     def _store(self, offer: Offer) -> None:
         deadline = Deadline(self.config.transfer_timeout_seconds,

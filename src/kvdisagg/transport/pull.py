@@ -146,7 +146,9 @@ class _Connection:
 
 class PullTransport:
     name: ClassVar[str] = ""
-    # Set by the worker: prefill's serve spans go to its tracer, their durations to its stats.
+    keyed_by_tokens: ClassVar[bool] = False
+    # Set by the worker (instrument): prefill's serve spans go to its tracer, their durations
+    # to its stats.
     tracer: Tracer = Tracer.disabled()
     observe: Callable[[str, float], None] = staticmethod(lambda phase, seconds: None)
 
@@ -217,9 +219,15 @@ class PullTransport:
         start_thread(self._accept_loop, f"kvdisagg-{self.name}-accept")
         return self._listener.getsockname()[1]
 
+    def instrument(self, tracer: Tracer, observe: Callable[[str, float], None]) -> None:
+        self.tracer, self.observe = tracer, observe
+
     def step(self, running: bool) -> None:
         """Prefill's worker: an engine step started (``running``) or ended."""
         self.table.step(running)
+
+    def expired_unread(self) -> int:
+        return self.table.expired_unread
 
     def offer(self, offer: Offer) -> None:
         if offer.trace:

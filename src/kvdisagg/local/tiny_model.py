@@ -178,9 +178,6 @@ if __name__ == "__main__":  # pragma: no cover
     print(ensure_tiny_model(Path(sys.argv[1]) if len(sys.argv) > 1 else None))
 
 
-HELP = "generate (or find cached) the tiny test model and print its path"
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 

@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Sequence
 
-from kvdisagg.testing.servers import VllmServer, free_port
+from kvdisagg.local.servers import VllmServer, free_port
 
 
 def kv_transfer_args(role: str, extra: dict[str, Any] | None = None,
