@@ -110,9 +110,11 @@ def body(i: int, seed: int, *, stream: bool, max_tokens: int, n_prompt: int | No
 
 def expected(fleet: Fleet, items: list[dict[str, Any]]) -> list[list[int]]:
     """The plain answers: each prompt on one instance, no handoff (computed before a fault;
-    batched as a burst is: greedy answers do not depend on the batch)."""
+    batched as a burst is: greedy answers do not depend on the batch). Under a cache salt of
+    their own: the burst's prompts must not find prefill's prefix cache warm."""
     def one(b: dict[str, Any]) -> list[int]:
-        status, reply = post(fleet.prefill.base_url + "/v1/completions", {**b, "stream": False},
+        status, reply = post(fleet.prefill.base_url + "/v1/completions",
+                             {**b, "stream": False, "cache_salt": "plain"},
                              timeout=CLIENT_TIMEOUT_S)
         assert status == 200, reply
         return reply["choices"][0]["token_ids"]
@@ -217,18 +219,23 @@ def test_prefill_stalled_past_the_transfer_timeout(faults):
     request succeeds, token-identical, and the burst ends no later than an unfaulted one plus
     the stall, the transfer timeout and the probes' detection time."""
     fleet = faults
-    items = [body(i, 100, stream=i % 2 == 1, max_tokens=60) for i in range(8)]
-    want = expected(fleet, items)
+    # The unfaulted burst has prompts of the same lengths but others (prefill's prefix cache
+    # would make the second burst's prefills instant).
+    unfaulted = [body(i, 100, stream=i % 2 == 1, max_tokens=60) for i in range(8)]
+    items = [body(i, 200, stream=i % 2 == 1, max_tokens=60) for i in range(8)]
+    want_unfaulted, want = expected(fleet, unfaulted), expected(fleet, items)
     with ThreadPoolExecutor(len(items)) as pool:
         t0 = time.monotonic()
-        all_right(start_burst(pool, fleet, items), want)
+        all_right(start_burst(pool, fleet, unfaulted), want_unfaulted)
         baseline = time.monotonic() - t0
         recomputed = pulls(fleet, "vllm:kvdisagg_recomputed_prompts_total")
+        decode_legs = proxy_metric(fleet, "instance_requests_total", side="decode")
         t0 = time.monotonic()
         futures = start_burst(pool, fleet, items)
-        # Strike while prefill works for the burst and decode already holds some of it.
-        wait_until("prefill legs and decode legs in flight",
-                   lambda: legs_on(fleet, "prefill") >= 1 and legs_on(fleet, "decode") >= 1, 60)
+        # Strike while prefill works for the burst, once it handed some of it to decode.
+        wait_until("prefill legs in flight after a handoff",
+                   lambda: legs_on(fleet, "prefill") >= 1 and proxy_metric(
+                       fleet, "instance_requests_total", side="decode") > decode_legs, 60)
         fleet.prefill.pause()
         try:
             time.sleep(STALL_S)
