@@ -77,7 +77,8 @@ class UpstreamError(ProxyError):
 
 
 class ConnectError(UpstreamError):
-    """No connection could be made: the server never saw the request."""
+    """No connection could be made: the server never saw the request, unless an earlier copy
+    of it went out on a reused connection that then closed (``sent``; Pool.request)."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message, sent=False)

@@ -141,6 +141,16 @@ def metric(base_url: str, name: str, **labels: str) -> float:
     return metric_value(base_url, name, timeout_s=10, **labels)
 
 
+def wait_metric_change(url: str, name: str, before: float, within_s: float = 10,
+                       **labels: str) -> float:
+    """The metric's value once it moved from ``before`` (vLLM publishes engine stats on an
+    interval), or as it is after ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while (value := metric(url, name, **labels)) == before and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return value
+
+
 def wait_kv_usage_zero(base_url: str, timeout: float) -> float:
     deadline = time.monotonic() + timeout
     while True:

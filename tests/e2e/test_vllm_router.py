@@ -1,6 +1,8 @@
 """Interop: vllm-router (PyPI, Rust; the router users already run) in vLLM P/D mode in front of a
 DisaggConnector pair: our kv_transfer_params are NixlConnector's, so it hands off as it does for
-NIXL, and the answers are the prefill instance's own, token for token, streamed or not."""
+NIXL, and the answers are the prefill instance's own, token for token, streamed or not, with
+the KV really moved: decode pulled once per request (a decode that silently computed the prompt
+itself would give the same tokens)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pytest
 
 from kvdisagg.local.servers import free_port
 
-from .conftest import LOG_DIR, completion_tokens, prompt_ids
+from .conftest import LOG_DIR, completion_tokens, metric, prompt_ids, wait_metric_change
 
 pytestmark = pytest.mark.e2e
 
@@ -71,4 +73,9 @@ def tokens(base_url: str, prompt: list[int], stream: bool) -> list[int]:
 def test_vllm_router_in_front_is_token_identical(fleet, router, n_tokens, stream):
     prompt = prompt_ids(n_tokens, seed=7000 + n_tokens)
     expected = tokens(fleet.prefill.base_url, prompt, stream=False)
+    d = fleet.decode.base_url
+    pulls = metric(d, "vllm:kvdisagg_pulls_total")
+    recomputed = metric(d, "vllm:kvdisagg_recomputed_prompts_total")
     assert tokens(router, prompt, stream) == expected
+    assert wait_metric_change(d, "vllm:kvdisagg_pulls_total", pulls) == pulls + 1
+    assert metric(d, "vllm:kvdisagg_recomputed_prompts_total") == recomputed

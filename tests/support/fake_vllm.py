@@ -37,6 +37,7 @@ class FakeVllm:
         self.health_status = 200
         self.health_delay_s = 0.0  # a slow /health (a starved host), not a dead one
         self.kv_load_failures = 0  # the next N decode legs with KV fail as vLLM does (policy fail)
+        self.recomputed: dict[str, int] = {}  # vllm:kvdisagg_recomputed_prompts_total by reason
         self.seen: list[dict[str, Any]] = []
         self.aborted = 0  # requests whose client (the proxy) went away before the end
         self._ids = itertools.count()
@@ -161,8 +162,15 @@ class FakeVllm:
         return web.Response(status=self.health_status, text="")
 
     async def metrics(self, _request: web.Request) -> web.Response:
-        return web.Response(text='vllm:num_requests_waiting{engine="0"} 0.0\n'
-                                 'vllm:num_requests_running{engine="0"} 0.0\n')
+        """vLLM's queue gauges, and the connector's recompute counter as vLLM renders it
+        (with its ``_created`` sample, which is not a count)."""
+        text = ('vllm:num_requests_waiting{engine="0"} 0.0\n'
+                'vllm:num_requests_running{engine="0"} 0.0\n')
+        for reason, n in self.recomputed.items():
+            labels = f'{{engine="0",model_name="tiny",reason="{reason}"}}'
+            text += (f"vllm:kvdisagg_recomputed_prompts_total{labels} {float(n)}\n"
+                     f"vllm:kvdisagg_recomputed_prompts_created{labels} 1.7e9\n")
+        return web.Response(text=text)
 
     async def models(self, _request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "tiny"}]})

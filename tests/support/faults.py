@@ -1,5 +1,6 @@
 """Fault-injecting transports for tests: they speak their transport's wire, then damage one
-byte of what landed in decode's blocks, as a link or a stray write would.
+byte of what landed in decode's blocks, as a link or a stray write would; or cut the side
+channel's TCP connection in the middle of a pull (``CuttingTcpTransport``).
 
 Load one on decode with ``"transport": "tests.support.faults:Corrupting<Name>Transport"``
 (``Tcp``, ``Nccl``, ``Mooncake``, ``LMCache``); prefill serves it as its plain transport. With
@@ -10,10 +11,12 @@ corruption goes through, which proves the end-to-end tests can fail.
 from __future__ import annotations
 
 import importlib
+import os
 import socket
 from typing import Any
 
 from kvdisagg.layout import LayerRegion, span_tensor, spans
+from kvdisagg.protocol import recv_into_views
 from kvdisagg.transport.pull import Deadline, PullPlan
 from kvdisagg.transport.tcp import TcpTransport
 
@@ -39,6 +42,38 @@ class _CorruptsPulls:
 
 class CorruptingTcpTransport(_CorruptsPulls, TcpTransport):
     pass
+
+
+CUT_ARM_ENV = "KVDISAGG_TEST_CUT_ARM"
+"""Names a file; while it exists, the next pull of a ``CuttingTcpTransport`` takes it (one pull
+per arming, whichever instance and thread gets there first) and is cut."""
+
+
+def _take_arm() -> bool:
+    path = os.environ.get(CUT_ARM_ENV)
+    if not path:
+        return False
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+class CuttingTcpTransport(TcpTransport):
+    """The plain TCP transport, except that an armed pull (``CUT_ARM_ENV``) reads half of its
+    first run's bytes and then cuts the connection (shutdown both ways: the peer sees it
+    closed): the pull fails mid-transfer, as on a link that drops."""
+
+    def recv(self, peer: Any, sock: socket.socket, plan: PullPlan,
+             deadline: Deadline) -> None:
+        if plan.runs and _take_arm():
+            views = self._views(plan, "dst")
+            first = views[0] if views else None
+            if first is not None and len(first) > 1:
+                recv_into_views(sock, [first[:len(first) // 2]], deadline.left)
+            sock.shutdown(socket.SHUT_RDWR)
+        super().recv(peer, sock, plan, deadline)
 
 
 _LAZY = {  # their dependencies are imported only when a test asks for them

@@ -182,6 +182,14 @@ class Metrics:
                          inst.requests[side] if fam == "instance_requests_total" else
                          inst.retries[side])
                     add(f"{P}{fam}{_labels(instance=inst.url, side=side.value)} {v}\n")
+        add(f"# HELP {P}instance_recomputed_prompts_total Requests that reached the instance "
+            f"with a handoff but whose prompt it computed itself (its own "
+            f"vllm:kvdisagg_recomputed_prompts_total as last probed; resets when it restarts), "
+            f"by reason.\n# TYPE {P}instance_recomputed_prompts_total counter\n")
+        for inst in insts:
+            for reason, count in sorted(inst.recomputed.items()):
+                add(f"{P}instance_recomputed_prompts_total"
+                    f"{_labels(instance=inst.url, reason=reason)} {count}\n")
         add(f"# TYPE {P}instance_errors_total counter\n")
         for (url, side_name, kind), n in sorted(self.errors.items()):
             add(f"{P}instance_errors_total{_labels(instance=url, side=side_name, kind=kind)} {n}\n")

@@ -9,7 +9,9 @@ when the breakers would leave a side with no candidate, its healthy instances ar
 anyway (a breaker must not turn a fleet off). Probes are also the liveness check of legs waiting
 for an answer: an instance that turns unhealthy has those legs failed at once, so they fail over
 instead of waiting out their deadline. The same probe scrapes vLLM's ``/metrics`` queue gauges
-that ``least_loaded`` and ``slo_aware`` read.
+that ``least_loaded`` and ``slo_aware`` read, and decode's count of prompts it computed itself
+although they came with a handoff (``vllm:kvdisagg_recomputed_prompts_total``), which the
+proxy's /metrics exports per instance: a silent recompute is visible where the fleet is watched.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import re
 import time
 from collections.abc import Callable
 
@@ -73,6 +76,7 @@ class InstanceInfo(msgspec.Struct, kw_only=True):
     retries: dict[str, int]
     vllm_waiting: float
     vllm_running: float
+    recomputed_prompts: dict[str, float]
     prefill_s_per_token: float | None
     tpot_s: float | None
 
@@ -99,6 +103,8 @@ class Instance:
         self.retries = {Side.PREFILL: 0, Side.DECODE: 0}
         self.vllm_waiting = 0.0
         self.vllm_running = 0.0
+        self.recomputed: dict[str, float] = {}
+        """The instance's vllm:kvdisagg_recomputed_prompts_total by reason, as last scraped."""
         self.prefill_s_per_token: float | None = None
         self.tpot_s: float | None = None
         self.tpot_load = 0.0
@@ -169,6 +175,7 @@ class Instance:
             errors={s.value: self.errors[s] for s in sides},
             retries={s.value: self.retries[s] for s in sides},
             vllm_waiting=self.vllm_waiting, vllm_running=self.vllm_running,
+            recomputed_prompts=dict(self.recomputed),
             prefill_s_per_token=self.prefill_s_per_token, tpot_s=self.tpot_s)
 
     # active probes
@@ -221,6 +228,22 @@ def parse_vllm_queue(text: bytes) -> tuple[float, float]:
         elif line.startswith(b"vllm:num_requests_running"):
             running += _sample(line)
     return waiting, running
+
+
+_RECOMPUTED = b"vllm:kvdisagg_recomputed_prompts_total{"
+_REASON = re.compile(rb'[{,]reason="([^"]*)"')
+
+
+def parse_recomputed(text: bytes) -> dict[str, float]:
+    """Sum ``vllm:kvdisagg_recomputed_prompts_total`` by its ``reason`` label over engines
+    (connector/stats.py RECOMPUTED): requests that came with a handoff but whose prompt the
+    instance computed itself."""
+    out: dict[str, float] = {}
+    for line in text.split(b"\n"):
+        if line.startswith(_RECOMPUTED) and (m := _REASON.search(line)):
+            reason = m.group(1).decode("utf-8", "replace")
+            out[reason] = out.get(reason, 0.0) + _sample(line)
+    return out
 
 
 def _sample(line: bytes) -> float:
@@ -329,6 +352,7 @@ class Registry:
                 text = await resp.read(cfg.timeout_s)
                 if resp.status == 200:
                     inst.vllm_waiting, inst.vllm_running = parse_vllm_queue(text)
+                    inst.recomputed = parse_recomputed(text)
             except UpstreamError:
                 pass
         inst.probe_result(ok, error, self.cfg, dead=dead)

@@ -389,6 +389,10 @@ class Pool:
 
         ``headers`` is pre-encoded ``Name: value\\r\\n`` lines. A request on a reused connection
         that the server had already closed (no byte came back) is resent once on a fresh one.
+        If that resend cannot connect, the failure still says ``sent``: the closed connection
+        may have been a server that read the request and died (a decode killed while it
+        generated a non-streamed answer), not a stale one, and it may have acted on it (pulled
+        the handoff the request carried).
         """
         if self.loop is None:
             self.loop = asyncio.get_running_loop()
@@ -404,7 +408,11 @@ class Pool:
                     conn, reused = c, True
                     break
             if conn is None:
-                conn = await self._connect(connect_s)
+                try:
+                    conn = await self._connect(connect_s)
+                except ConnectError as exc:
+                    exc.sent = attempt > 0  # the first copy went out on a reused connection
+                    raise
             assert conn.transport is not None
             self._busy.add(conn)
             conn.transport.write(head + body if len(body) < 65536 else head)

@@ -27,7 +27,7 @@ from kvdisagg.proxy.policies import (
     SloAware,
     Verdict,
 )
-from kvdisagg.proxy.registry import Instance, parse_vllm_queue
+from kvdisagg.proxy.registry import Instance, parse_recomputed, parse_vllm_queue
 from kvdisagg.proxy.types import Role, Side
 
 
@@ -182,6 +182,20 @@ def test_parse_vllm_queue() -> None:
         b"vllm:num_requests_running_total 99\n"
     )
     assert parse_vllm_queue(text) == (5.0, 4.0 + 99)
+
+
+def test_parse_recomputed_sums_engines_by_reason() -> None:
+    text = (b'# HELP vllm:kvdisagg_recomputed_prompts_total x\n'
+            b'vllm:kvdisagg_recomputed_prompts_total{engine="0",model_name="m",'
+            b'reason="load_failed"} 2.0\n'
+            b'vllm:kvdisagg_recomputed_prompts_total{engine="1",model_name="m",'
+            b'reason="load_failed"} 1.0\n'
+            b'vllm:kvdisagg_recomputed_prompts_created{engine="0",model_name="m",'
+            b'reason="load_failed"} 1.7e9\n'
+            b'vllm:kvdisagg_recomputed_prompts_total{engine="0",model_name="m",'
+            b'reason="not_read"} 0.0\n')
+    assert parse_recomputed(text) == {"load_failed": 3.0, "not_read": 0.0}
+    assert parse_recomputed(b"vllm:num_requests_running 1\n") == {}
 
 
 def test_decode_body_splices_client_bytes() -> None:

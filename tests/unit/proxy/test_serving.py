@@ -355,6 +355,32 @@ def test_client_disconnect_aborts_upstream() -> None:
     run(t())
 
 
+def test_decode_recomputed_prompts_exported_per_instance() -> None:
+    """A decode that computed prompts itself although they came with a handoff (its
+    vllm:kvdisagg_recomputed_prompts_total) shows it on the proxy's /metrics, per instance
+    and reason, as of the last probe; a decode that recomputed nothing exports no sample."""
+    async def t() -> None:
+        async with proxy(n_decode=2) as env:
+            d0, d1 = env.decode
+            d0.recomputed = {"load_failed": 3, "not_read": 1}
+            await asyncio.sleep(0.5)  # a few probe rounds (interval 0.2 s)
+            text = await env.metrics()
+            name = "kvdisagg_proxy_instance_recomputed_prompts_total"
+            assert metric(text, name, instance=env.urls["d0"], reason="load_failed") == 3
+            assert metric(text, name, instance=env.urls["d0"], reason="not_read") == 1
+            assert metric(text, name, instance=env.urls["d1"]) == 0
+            assert f"# TYPE {name} counter" in text
+            d0.recomputed["load_failed"] = 5
+            await asyncio.sleep(0.5)
+            text = await env.metrics()
+            assert metric(text, name, instance=env.urls["d0"], reason="load_failed") == 5
+            r = await env.admin.get("/admin/list")
+            rows = {i["url"]: i for i in (await r.json())["instances"]}
+            assert rows[env.urls["d0"]]["recomputed_prompts"] == {"load_failed": 5,
+                                                                  "not_read": 1}
+    run(t())
+
+
 def test_health_probes_mark_unhealthy_and_recover() -> None:
     async def t() -> None:
         async with proxy(n_prefill=2, health=HealthConfig(interval_s=0.1, timeout_s=0.5,
