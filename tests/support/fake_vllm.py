@@ -36,6 +36,7 @@ class FakeVllm:
         self.use_max_tokens = False  # stream the request's max_tokens events, not ``tokens``
         self.health_status = 200
         self.health_delay_s = 0.0  # a slow /health (a starved host), not a dead one
+        self.retiring = False  # /metrics says vllm:kvdisagg_retiring 1 (SIGTERM received)
         self.kv_load_failures = 0  # the next N decode legs with KV fail as vLLM does (policy fail)
         self.seen: list[dict[str, Any]] = []
         self.aborted = 0  # requests whose client (the proxy) went away before the end
@@ -162,7 +163,8 @@ class FakeVllm:
 
     async def metrics(self, _request: web.Request) -> web.Response:
         return web.Response(text='vllm:num_requests_waiting{engine="0"} 0.0\n'
-                                 'vllm:num_requests_running{engine="0"} 0.0\n')
+                                 'vllm:num_requests_running{engine="0"} 0.0\n'
+                                 f'vllm:kvdisagg_retiring{{engine="0"}} {int(self.retiring)}.0\n')
 
     async def models(self, _request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "tiny"}]})

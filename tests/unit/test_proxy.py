@@ -489,6 +489,49 @@ def test_admin_add_drain_remove_list() -> None:
     run(t())
 
 
+def test_retiring_instance_drains_itself_then_returns_as_a_new_process() -> None:
+    """An instance whose /metrics says vllm:kvdisagg_retiring 1 (SIGTERM) turns DRAINING at the
+    next probe: its leg in flight finishes, new prompts go elsewhere; once it answers without
+    the gauge (a new process at its URL) it is ACTIVE again. An operator's drain stands."""
+    async def t() -> None:
+        async with proxy(n_prefill=2) as env:
+            p0, p1 = env.prefill
+
+            async def state(name: str) -> str:
+                r = await env.admin.get("/admin/list")
+                return next(i["state"] for i in (await r.json())["instances"]
+                            if i["url"] == env.urls[name])
+
+            async def until(name: str, want: str) -> None:
+                for _ in range(50):  # probes every 0.2 s
+                    if await state(name) == want:
+                        return
+                    await asyncio.sleep(0.05)
+                raise AssertionError(f"{name} is {await state(name)}, not {want}")
+
+            p0.delay_s = 0.6  # a prefill leg in flight on p0 when it retires
+            first = [asyncio.create_task(env.client.post("/v1/completions", json=GEN))
+                     for _ in range(2)]
+            await asyncio.sleep(0.1)
+            assert len(p0.seen) == 1
+            p0.retiring = True
+            await until("p0", "draining")
+            assert [(await q).status for q in first] == [200, 200]
+            n0 = len(p0.seen)
+            for _ in range(4):
+                r = await env.client.post("/v1/completions", json=GEN)
+                assert r.status == 200 and r.headers["X-Kvdisagg-Handoff"] == "pd"
+            assert len(p0.seen) == n0
+            p0.retiring = False  # restarted: a new process, no longer retiring
+            await until("p0", "active")
+            # An operator's drain is not undone by a probe that sees no retirement.
+            r = await env.admin.post("/admin/drain", json={"url": env.urls["p1"]})
+            assert r.status == 200
+            await asyncio.sleep(0.5)
+            assert await state("p1") == "draining"
+    run(t())
+
+
 ADMIN_CALLS = [("get", "/admin/list", None),
                ("post", "/admin/add", {"url": "http://127.0.0.1:9", "role": "decode"}),
                ("post", "/admin/drain", {"url": "http://127.0.0.1:9"}),
