@@ -50,11 +50,12 @@ class Fleet:
                  reference_args: Sequence[str] = (), proxy_args: Sequence[str] = (),
                  binds: dict[str, str | None] | None = None,
                  env: dict[str, str] | None = None, always_disaggregate: bool = True,
-                 prefills: int = 1, kv_events: bool = False) -> None:
+                 prefills: int = 1, decodes: int = 1, kv_events: bool = False) -> None:
         """``always_disaggregate``: the proxy sends every request through prefill (what tests
         of the handoff want); False: the proxy decides per request, as it does by default.
         ``prefills``: how many prefill instances (``self.prefills``; ``self.prefill`` is the
-        first), all with the same arguments and binding. ``kv_events``: prefill and decode
+        first), all with the same arguments and binding; ``decodes`` likewise (``self.decodes``,
+        ``self.decode``). ``kv_events``: prefill and decode
         publish vLLM's KV cache events (``kv_events_args``) and the proxy tokenizes with the
         model's tokenizer, so its cache index predicts what each instance holds."""
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -69,12 +70,16 @@ class Fleet:
                        env=env)
             for i in range(prefills)]
         self.prefill = self.prefills[0]
-        self.decode = VllmServer(model, log_path=log_dir / "decode.log",
-                                 omp_threads_bind=bind["decode"], env=env,
-                                 extra_args=[*kv_transfer_args("kv_consumer", decode_extra,
-                                                               decode_failure_policy),
-                                             *decode_args,
-                                             *(kv_events_args("decode") if kv_events else ())])
+        self.decodes = [
+            VllmServer(model, log_path=log_dir / (f"decode{i}.log" if i else "decode.log"),
+                       omp_threads_bind=bind["decode"], env=env,
+                       extra_args=[*kv_transfer_args("kv_consumer", decode_extra,
+                                                     decode_failure_policy),
+                                   *decode_args,
+                                   *(kv_events_args(f"decode{i}" if i else "decode")
+                                     if kv_events else ())])
+            for i in range(decodes)]
+        self.decode = self.decodes[0]
         self.reference = (VllmServer(model, log_path=log_dir / "reference.log",
                                      omp_threads_bind=bind["reference"], env=env,
                                      extra_args=list(reference_args))
@@ -86,7 +91,7 @@ class Fleet:
 
     @property
     def servers(self) -> list[VllmServer]:
-        return [s for s in (*self.prefills, self.decode, self.reference) if s is not None]
+        return [s for s in (*self.prefills, *self.decodes, self.reference) if s is not None]
 
     @property
     def proxy_url(self) -> str:
@@ -99,7 +104,7 @@ class Fleet:
         self.proxy = subprocess.Popen(
             [sys.executable, "-m", "kvdisagg.cli", "proxy",
              "--prefill", *(p.base_url for p in self.prefills),
-             "--decode", self.decode.base_url, "--host", "127.0.0.1",
+             "--decode", *(d.base_url for d in self.decodes), "--host", "127.0.0.1",
              "--port", str(self.proxy_port), *self.proxy_args],
             stdout=log, stderr=subprocess.STDOUT)
         try:
