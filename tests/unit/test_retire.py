@@ -11,11 +11,16 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvdisagg.connector.metadata import DisaggWorkerMeta, WorkerHandshake  # noqa: E402
-from kvdisagg.connector.retire import Retirement  # noqa: E402
-from kvdisagg.connector.stats import DisaggStats  # noqa: E402
-from tests.unit.vllm_harness import (HANDSHAKE_PORT, KV_LAYOUT, TRANSPORT,  # noqa: E402
-                                     SchedulerHarness, cleanup_model_dir)
+from kvdisagg.connector.metadata import DisaggWorkerMeta, WorkerHandshake
+from kvdisagg.connector.retire import Retirement
+from kvdisagg.connector.stats import DisaggStats
+from tests.unit.vllm_harness import (
+    HANDSHAKE_PORT,
+    KV_LAYOUT,
+    TRANSPORT,
+    SchedulerHarness,
+    cleanup_model_dir,
+)
 
 REMOTE_DECODE = {"do_remote_decode": True}
 
@@ -91,6 +96,8 @@ def test_retirement_gives_up_at_the_hold_bound_after_the_last_offer():
         assert h.scheduler.has_requests()
         clock.t += 2  # 61 s after the last offer, nothing freed: a decode kept renewing
         assert not h.scheduler.has_requests()
+        assert h.side.retirement.gave_up
+        clock.t -= 30  # (a clock is not needed to stay past the bound)
         assert not h.scheduler.has_requests()  # for good: the engine exits
     finally:
         h.close()

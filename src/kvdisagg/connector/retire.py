@@ -44,6 +44,7 @@ class Retirement:
         self.since: float | None = None
         self._last_offer = 0.0
         self.announced = False  # the gauge went out in the stats
+        self.gave_up = False  # the hold bound passed with handoffs unread
 
     @property
     def retiring(self) -> bool:
@@ -64,13 +65,13 @@ class Retirement:
 
     def holds(self, staged: int) -> bool:
         """Keep the engine stepping for ``staged`` handoffs still held?"""
-        if self.since is None or not staged:
+        if self.since is None or not staged or self.gave_up:
             return False
         if self._clock() < max(self.since, self._last_offer) + self.hold_s:
             return True
         logger.warning("kvdisagg: retiring: giving up %d handoff(s) not pulled within %.0fs",
                        staged, self.hold_s)
-        self._last_offer = self.since = -float("inf")  # once: the next steps let it exit
+        self.gave_up = True  # for good: the engine exits
         return False
 
     def arm(self) -> bool:
