@@ -164,7 +164,8 @@ class FakeVllm:
     async def metrics(self, _request: web.Request) -> web.Response:
         return web.Response(text='vllm:num_requests_waiting{engine="0"} 0.0\n'
                                  'vllm:num_requests_running{engine="0"} 0.0\n'
-                                 f'vllm:kvdisagg_retiring{{engine="0"}} {int(self.retiring)}.0\n')
+                                 + ('vllm:kvdisagg_retiring{engine="0"} 1.0\n'
+                                    if self.retiring else ""))
 
     async def models(self, _request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "tiny"}]})
