@@ -30,6 +30,7 @@ class FakeVllm:
         self.status = 200  # answer every generation request with this status
         self.delay_s = 0.0  # before answering
         self.with_kv = True  # prefill answers carry kv_transfer_params
+        self.aborting = False  # answer 200 finish_reason "abort", as a vLLM shutting down does
         self.die_after: int | None = None  # decode: close the connection after N events
         self.hang_after: int | None = None  # decode: go silent after N events
         self.token_delay_s = 0.0  # streaming: pause before each token event (bench tests)
@@ -63,6 +64,10 @@ class FakeVllm:
                                                          "type": "fake", "code": self.status}}),
                                     status=self.status, content_type="application/json")
             kv = body.get("kv_transfer_params") or {}
+            if self.aborting:
+                return web.json_response({"id": f"cmpl-{self.name}", "object": "text_completion",
+                                          "choices": [{"index": 0, "text": "",
+                                                       "finish_reason": "abort"}]})
             if kv.get("do_remote_decode"):
                 out: dict[str, Any] = {"id": f"cmpl-{self.name}", "object": "text_completion",
                                        "choices": [{"index": 0, "text": "x"}]}

@@ -293,6 +293,30 @@ def test_prefill_without_kv_params_is_counted_not_silent() -> None:
     run(t())
 
 
+def test_prefill_aborting_requests_is_retried_elsewhere_not_missing_kv() -> None:
+    """A prefill that aborts new requests unanswered (vLLM shutting down, before the probe sees
+    it retiring): retried on another prefill, or decode-only with none; never counted as a
+    misconfigured prefill (missing kv_transfer_params)."""
+    async def t() -> None:
+        async with proxy(n_prefill=2) as env:
+            env.prefill[0].aborting = True
+            for _ in range(2):
+                r = await env.client.post("/v1/completions", json=GEN)
+                assert r.status == 200 and r.headers["X-Kvdisagg-Handoff"] == "pd"
+            assert all(s["body"]["kv_transfer_params"]["remote_engine_id"] == "engine-p1"
+                       for s in env.decode[0].seen)
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_missing_kv_transfer_params_total") == 0
+            assert metric(text, "kvdisagg_proxy_instance_errors_total", instance=env.urls["p0"],
+                          kind="aborted") >= 1
+        async with proxy(n_prefill=1) as env:
+            env.prefill[0].aborting = True
+            r = await env.client.post("/v1/completions", json=GEN)
+            assert r.status == 200
+            assert r.headers["X-Kvdisagg-Handoff"] == "decode_only:prefill_failed"
+    run(t())
+
+
 def test_decode_refusing_connection_retries_other_decode_with_same_handoff() -> None:
     async def t() -> None:
         async with proxy(dead_decode=1, health=HealthConfig(interval_s=60, startup_timeout_s=0.1,
