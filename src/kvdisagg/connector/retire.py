@@ -38,7 +38,7 @@ class Retirement:
 
     def __init__(self, hold_s: float, shutdown_timeout_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.hold_s = hold_s  # how long an offered handoff may still be read
+        self.hold_s = hold_s  # how long an offered handoff may still be read (0: offers none)
         self.shutdown_timeout_s = shutdown_timeout_s  # vLLM's --shutdown-timeout
         self._clock = clock
         self.since: float | None = None
@@ -54,6 +54,10 @@ class Retirement:
         if self.since is not None:
             return
         self.since = self._clock()
+        if not self.hold_s:  # holds no handoffs (decode)
+            logger.warning("kvdisagg: retiring: no new requests; running ones go on for vLLM's "
+                           "--shutdown-timeout (%ds)", self.shutdown_timeout_s)
+            return
         cut = (f", but vLLM's --shutdown-timeout {self.shutdown_timeout_s:.0f}s cuts it short"
                if self.shutdown_timeout_s < self.hold_s else "")
         logger.warning(

@@ -140,7 +140,7 @@ class DisaggScheduler:
         self._staged: dict[str, tuple[int, ...]] = {}
         self._staged_freed: dict[str, int] = {}
         self.retirement = Retirement(  # SIGTERM: serve the handoffs held, then exit (retire.py)
-            config.lease_seconds + config.transfer_timeout_seconds,
+            config.lease_seconds + config.transfer_timeout_seconds if self.is_producer else 0,
             getattr(vllm_config, "shutdown_timeout", 0))
         self.retirement.arm()
 
