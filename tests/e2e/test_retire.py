@@ -131,7 +131,7 @@ def test_decode_sigterm_finishes_or_migrates_its_streams(fleet):
     each stream left to decode 1. Every stream completes token-identical to a plain run; decode
     0 exits within DECODE_SHUTDOWN_S plus teardown; later requests all go to decode 1."""
     retiring, other = fleet.decodes
-    items, later = bodies(200, BURST, max_tokens=1000, stream=True), bodies(300, 4)
+    items, later = bodies(200, BURST, max_tokens=500, stream=True), bodies(300, 4)
     expected = expected_tokens(fleet.prefills[1].base_url, items + later)
     migrated0 = proxy_metric(fleet, "kvdisagg_proxy_migrations_total", outcome="ok")
     with ThreadPoolExecutor(BURST) as pool:
