@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvdisagg.testing.fleet import Fleet
+from kvdisagg.local.fleet import Fleet
 
 from .conftest import LOG_DIR, completion_tokens, metric, post, prompt_ids, wait_handoffs_freed
 
