@@ -556,6 +556,43 @@ def test_retiring_instance_drains_itself_then_returns_as_a_new_process() -> None
     run(t())
 
 
+def test_retiring_decode_gone_dead_migrates_its_streams_at_once() -> None:
+    """A retiring decode whose probes then fail (vLLM killed its engine at --shutdown-timeout
+    and its streams stall for good): its relayed streams fail at once and migrate, well before
+    timeouts.decode_idle_s."""
+    async def t() -> None:
+        async with proxy(n_decode=2, timeouts=TimeoutConfig(
+                prefill_s=2.0, decode_connect_s=2.0, decode_total_s=30.0,
+                decode_idle_s=20.0)) as env:
+            d0, d1 = env.decode
+            d0.tokens, d0.hang_after = 6, 2  # two events, then silence (its engine is gone)
+            body = {**GEN, "prompt": [5, 6, 7], "max_tokens": 6, "stream": True,
+                    "temperature": 0}
+            t0 = time.monotonic()
+            task = asyncio.create_task(env.client.post("/v1/completions", json=body))
+            for _ in range(50):
+                if d0.seen:
+                    break
+                await asyncio.sleep(0.02)
+            assert d0.seen, "the stream went to d1: route it to d0 for this test"
+            d0.retiring = True
+            for _ in range(50):
+                r = await env.admin.get("/admin/list")
+                if any(i["url"] == env.urls["d0"] and i["state"] == "draining"
+                       for i in (await r.json())["instances"]):
+                    break
+                await asyncio.sleep(0.05)
+            d0.health_status = 503  # its listener is gone
+            r = await task
+            text = await r.text()
+            assert r.status == 200 and "[DONE]" in text, text
+            assert time.monotonic() - t0 < 10.0, "waited out decode_idle_s"
+            assert d1.seen  # the continuation
+            assert metric(await env.metrics(), "kvdisagg_proxy_migrations_total",
+                          outcome="ok") == 1
+    run(t())
+
+
 ADMIN_CALLS = [("get", "/admin/list", None),
                ("post", "/admin/add", {"url": "http://127.0.0.1:9", "role": "decode"}),
                ("post", "/admin/drain", {"url": "http://127.0.0.1:9"}),

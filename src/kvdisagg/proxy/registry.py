@@ -208,7 +208,11 @@ class Instance:
         if healthy:
             self.breaker.reset()
         elif self.last_probe_dead:  # a slow instance still answers the legs it has
-            self.pool.fail_waiting(f"{self.url} turned unhealthy ({self.last_probe_error})")
+            # A retiring one whose probes now fail has ended its drain (vLLM killed its engine
+            # at --shutdown-timeout and stopped listening): its streams stall for good, so they
+            # fail now and migrate instead of waiting out timeouts.decode_idle_s.
+            self.pool.fail_waiting(f"{self.url} turned unhealthy ({self.last_probe_error})",
+                                   streams=self.retiring)
 
 
 def parse_vllm_queue(text: bytes) -> tuple[float, float]:
