@@ -317,6 +317,24 @@ def test_prefill_aborting_requests_is_retried_elsewhere_not_missing_kv() -> None
     run(t())
 
 
+def test_decode_aborting_requests_is_retried_on_another_decode() -> None:
+    """A decode that aborts new requests unanswered (vLLM shutting down, before the probe sees
+    it retiring): the request is retried whole on another decode, never relayed as an empty
+    answer; streamed or not."""
+    async def t() -> None:
+        async with proxy(n_decode=2) as env:
+            d0, d1 = env.decode
+            d0.aborting = True
+            for stream in (False, True, False, True):
+                r = await env.client.post("/v1/completions", json={**GEN, "stream": stream})
+                text = await r.text()
+                assert r.status == 200 and '"abort"' not in text and "t0" in text, text
+            assert d0.seen and len(d1.seen) == 4
+            assert metric(await env.metrics(), "kvdisagg_proxy_instance_errors_total",
+                          instance=env.urls["d0"], kind="aborted") == len(d0.seen)
+    run(t())
+
+
 def test_decode_refusing_connection_retries_other_decode_with_same_handoff() -> None:
     async def t() -> None:
         async with proxy(dead_decode=1, health=HealthConfig(interval_s=60, startup_timeout_s=0.1,
