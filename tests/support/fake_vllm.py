@@ -30,12 +30,14 @@ class FakeVllm:
         self.status = 200  # answer every generation request with this status
         self.delay_s = 0.0  # before answering
         self.with_kv = True  # prefill answers carry kv_transfer_params
+        self.aborting = False  # answer 200 finish_reason "abort", as a vLLM shutting down does
         self.die_after: int | None = None  # decode: close the connection after N events
         self.hang_after: int | None = None  # decode: go silent after N events
         self.token_delay_s = 0.0  # streaming: pause before each token event (bench tests)
         self.use_max_tokens = False  # stream the request's max_tokens events, not ``tokens``
         self.health_status = 200
         self.health_delay_s = 0.0  # a slow /health (a starved host), not a dead one
+        self.retiring = False  # /metrics says vllm:kvdisagg_retiring 1 (SIGTERM received)
         self.kv_load_failures = 0  # the next N decode legs with KV fail as vLLM does (policy fail)
         self.recomputed: dict[str, int] = {}  # vllm:kvdisagg_recomputed_prompts_total by reason
         self.seen: list[dict[str, Any]] = []
@@ -63,6 +65,10 @@ class FakeVllm:
                                                          "type": "fake", "code": self.status}}),
                                     status=self.status, content_type="application/json")
             kv = body.get("kv_transfer_params") or {}
+            if self.aborting:
+                return web.json_response({"id": f"cmpl-{self.name}", "object": "text_completion",
+                                          "choices": [{"index": 0, "text": "",
+                                                       "finish_reason": "abort"}]})
             if kv.get("do_remote_decode"):
                 out: dict[str, Any] = {"id": f"cmpl-{self.name}", "object": "text_completion",
                                        "choices": [{"index": 0, "text": "x"}]}
@@ -170,6 +176,8 @@ class FakeVllm:
             labels = f'{{engine="0",model_name="tiny",reason="{reason}"}}'
             text += (f"vllm:kvdisagg_recomputed_prompts_total{labels} {float(n)}\n"
                      f"vllm:kvdisagg_recomputed_prompts_created{labels} 1.7e9\n")
+        if self.retiring:  # SIGTERM received
+            text += 'vllm:kvdisagg_retiring{engine="0"} 1.0\n'
         return web.Response(text=text)
 
     async def models(self, _request: web.Request) -> web.Response:

@@ -599,6 +599,17 @@ def test_prestop_drains_this_pod_at_the_proxy_admin_service(tmp_path: Path):
             # bounded inside the grace period; a pod the proxy never knew is not an error
             grace = w["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
             assert args.timeout + admin_cli.ANSWER_GRACE_S < grace, name
+            # then SIGTERM: vLLM's --shutdown-timeout (retirement) and its teardown fit too,
+            # and a prefill's covers how long it may hold a handoff (docs/operations.md)
+            vllm = c["args"]
+            shutdown_s = int(vllm[vllm.index("--shutdown-timeout") + 1])
+            assert args.timeout + admin_cli.ANSWER_GRACE_S + shutdown_s + 10 <= grace, name
+            kv = json.loads(vllm[vllm.index("--kv-transfer-config") + 1])
+            if kv["kv_role"] == "kv_producer":
+                conn = parse_config(kv.get("kv_connector_extra_config"))
+                assert shutdown_s >= conn.lease_seconds + conn.transfer_timeout_seconds, name
+            else:
+                assert shutdown_s > 0, name
             assert args.missing_ok and not args.remove, name
     assert hooks == 2
     for path in K8S.glob("*.yaml"):  # nothing in the pods needs curl

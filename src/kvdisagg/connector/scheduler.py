@@ -47,6 +47,7 @@ from kvdisagg.connector.metadata import (
     SendSpec,
     WorkerHandshake,
 )
+from kvdisagg.connector.retire import Retirement
 from kvdisagg.connector.stats import DisaggStats
 from kvdisagg.protocol import RemotePrefill, handoff_params
 from kvdisagg.sharding import Shape, check, plan
@@ -139,6 +140,10 @@ class DisaggScheduler:
         self._free_slots: list[int] = []
         self._staged: dict[str, tuple[int, ...]] = {}
         self._staged_freed: dict[str, int] = {}
+        self.retirement = Retirement(  # SIGTERM: serve the handoffs held, then exit (retire.py)
+            config.lease_seconds + config.transfer_timeout_seconds if self.is_producer else 0,
+            getattr(vllm_config, "shutdown_timeout", 0))
+        self.retirement.arm()
 
     def set_handshake(self, metadata: dict[tuple[int, int], Any]) -> None:
         """Learn every rank's side-channel port (PP-major: ``pp * tp_size + tp``), the PP stages
@@ -201,6 +206,9 @@ class DisaggScheduler:
     def take_stats(self) -> DisaggStats | None:
         """Decode: lease renewals sent and loads seen finished since the last call (vLLM
         adds them to the workers')."""
+        if self.retirement.retiring and not self.retirement.announced:
+            self.retirement.announced = True
+            self._stats.add(retiring=1)
         if self.leases is not None and self.leases.renewed != self._renewed_seen:
             self._stats.add(lease_renewals=self.leases.renewed - self._renewed_seen)
             self._renewed_seen = self.leases.renewed
@@ -210,8 +218,9 @@ class DisaggScheduler:
         return stats
 
     def has_pending_work(self) -> bool:
-        """Offers not yet handed to the workers need one more step, even with no request."""
-        return bool(self._sends)
+        """Offers not yet handed to the workers need one more step, even with no request; while
+        retiring, so do staged handoffs until every worker freed them (retire.py)."""
+        return bool(self._sends) or self.retirement.holds(len(self._staged))
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
@@ -369,6 +378,7 @@ class DisaggScheduler:
                 or not block_ids or not finished):
             return False, None
         token = secrets.token_urlsafe(16)
+        self.retirement.offered()
         tokens = tuple(request.prompt_token_ids) if self.keyed_by_tokens else ()
         stage_from: tuple[int, ...]
         offered, stage_from = tuple(block_ids), ()

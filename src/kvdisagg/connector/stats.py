@@ -1,7 +1,7 @@
 """Transfer counters and phase timings: the workers (and the scheduler) report them each step;
 vLLM logs them and exports them on the instance's own /metrics, as Prometheus counters
-``vllm:kvdisagg_*`` (``vllm:kvdisagg_recomputed_prompts_total`` with a ``reason`` label) and the
-histogram ``vllm:kvdisagg_phase_seconds{phase=...}``."""
+``vllm:kvdisagg_*`` (``vllm:kvdisagg_recomputed_prompts_total`` with a ``reason`` label), the
+gauge ``vllm:kvdisagg_retiring`` and the histogram ``vllm:kvdisagg_phase_seconds{phase=...}``."""
 
 from __future__ import annotations
 
@@ -55,6 +55,11 @@ FIELDS = {
     **PROM_COUNTERS,  # SloScheduler's, when it runs (--scheduler-cls)
 }
 
+GAUGES = {  # set when reported (the last value stands); aggregated as the maximum
+    "retiring": "1 once this instance is retiring (SIGTERM): it takes no new requests and "
+                "exits when the handoffs it holds and its running requests are done",
+}
+
 PHASES = {  # the handoff timeline on an instance (docs/operations.md, "Handoff timeline")
     "queue": "decode: a planned pull waiting for a pull thread",
     "connect": "decode: opening a side-channel connection and its Hello (0 when reused)",
@@ -89,6 +94,9 @@ class DisaggStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k in FIELDS:
             self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
+        for k in GAUGES:
+            if k in other.data:
+                self.data[k] = max(self.data.get(k, 0), other.data[k])
         for reason, n in other.data.get(_RECOMPUTED_KEY, {}).items():
             counts = self.data.setdefault(_RECOMPUTED_KEY, {})
             counts[reason] = counts.get(reason, 0) + n
@@ -108,6 +116,7 @@ class DisaggStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not (any(self.data.get(k) for k in FIELDS) or self.data.get(_PHASE_KEY)
+                    or any(k in self.data for k in GAUGES)
                     or any(self.data.get(_RECOMPUTED_KEY, {}).values()))
 
     def add(self, **values: float) -> None:
@@ -135,6 +144,12 @@ class DisaggPromMetrics(KVConnectorPromMetrics):
                 self._counter_cls(name=f"vllm:kvdisagg_{k}", documentation=doc,
                                   labelnames=labelnames), per_engine_labelvalues)
             for k, doc in FIELDS.items()}
+        self.gauges = {
+            k: create_metric_per_engine(
+                self._gauge_cls(name=f"vllm:kvdisagg_{k}", documentation=doc,
+                                labelnames=labelnames, multiprocess_mode="mostrecent"),
+                per_engine_labelvalues)
+            for k, doc in GAUGES.items()}
         histogram = self._histogram_cls(
             name="vllm:kvdisagg_phase_seconds", labelnames=[*labelnames, "phase"],
             documentation="Handoff timeline phases on this instance (phase label: "
@@ -153,6 +168,8 @@ class DisaggPromMetrics(KVConnectorPromMetrics):
         for k, v in transfer_stats_data.items():
             if k in self.counters and v:
                 self.counters[k][engine_idx].inc(v)
+            elif k in self.gauges:
+                self.gauges[k][engine_idx].set(v)
         for phase, values in transfer_stats_data.get(_PHASE_KEY, {}).items():
             if (hist := self.phases.get(engine_idx, {}).get(phase)) is not None:
                 for v in values:

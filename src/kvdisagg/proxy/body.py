@@ -13,6 +13,7 @@ plugin orders prompts by it (docs/scheduler.md).
 
 from __future__ import annotations
 
+import re
 from typing import Any, NamedTuple
 
 import msgspec
@@ -207,6 +208,15 @@ class _PrefillAnswer(msgspec.Struct):
 
 
 _prefill_answer = msgspec.json.Decoder(_PrefillAnswer).decode
+
+
+_ABORTED = re.compile(rb'"finish_reason"\s*:\s*"abort"')
+
+
+def aborted(answer: bytes) -> bool:
+    """vLLM finished the request as aborted (``finish_reason: abort``): an engine shutting down
+    (SIGTERM) rejects every new request so."""
+    return _ABORTED.search(answer) is not None
 
 
 def kv_params_of(prefill_response: bytes) -> bytes | None:

@@ -205,6 +205,14 @@ async def _attempt(s: Serving, ctx: RequestCtx, inst: Instance, pre: Prefilled,
             head: bytes | None = await resp.read(max(0.001, deadline - _now()))
         else:
             head = await resp.next_chunk(max(0.001, deadline - _now()))
+        if head is not None and 200 <= resp.status < 300 and bodies.aborted(head):
+            # vLLM aborted it unanswered: an engine shutting down (SIGTERM) rejects new
+            # requests so, before the probes see the instance retiring.
+            resp.close()
+            leg.fail(FailKind.ABORTED, Outcome.NEUTRAL)
+            return _Failed(LegFailure(FailKind.ABORTED, f"decode {inst.url} aborted the "
+                                      "request (shutting down?)", 502), True, True)
+        if ctx.body.stream and 200 <= resp.status < 300:
             if head is not None and (error := first_error(head)) is not None:
                 resp.close()
                 # After a handoff the KV source may be at fault (a dead prefill): counted,

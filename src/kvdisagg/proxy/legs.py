@@ -32,6 +32,7 @@ class FailKind(str, enum.Enum):
     STATUS = "status"  # an error status
     ERROR_EVENT = "error_event"  # a stream whose first event is an error (a failed KV load)
     MISSING_KV_PARAMS = "missing_kv_params"  # prefill answered without kv_transfer_params
+    ABORTED = "aborted"  # vLLM aborted the request unanswered (an instance shutting down)
 
 
 class LegFailure(NamedTuple):

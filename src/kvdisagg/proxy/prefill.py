@@ -4,6 +4,8 @@ Failure rules (each retry bounded by ``retry.prefill_attempts`` and logged):
 - 5xx/408/429, a connect error or a timeout: try another prefill instance; when every try
   failed or no prefill is healthy, decode computes the prompt itself
   (``retry.decode_only_fallback``), counted by reason;
+- 200 with ``finish_reason: abort`` (an instance shutting down rejects new requests so): as a
+  5xx;
 - 200 without ``kv_transfer_params``: an explicit, counted event
   (``kvdisagg_proxy_missing_kv_transfer_params_total``) retried on another prefill, never a
   silent re-prefill on decode; if every try lacks them the client gets 502;
@@ -129,6 +131,10 @@ async def _leg(s: Serving, ctx: RequestCtx, inst: Instance) -> bytes | LegFailur
     status = resp.status
     if 200 <= status < 300:
         kv = bodies.kv_params_of(data)
+        if kv is None and bodies.aborted(data):  # retiring (SIGTERM): not a misconfiguration
+            leg.fail(FailKind.ABORTED, Outcome.NEUTRAL)
+            return LegFailure(FailKind.ABORTED, f"prefill {inst.url} aborted the request "
+                              "(shutting down?)", 502)
         if kv is None:
             s.metrics.missing_kv_params(inst.url)
             leg.fail(FailKind.MISSING_KV_PARAMS, Outcome.BROKEN)

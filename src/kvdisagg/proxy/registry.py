@@ -9,9 +9,12 @@ when the breakers would leave a side with no candidate, its healthy instances ar
 anyway (a breaker must not turn a fleet off). Probes are also the liveness check of legs waiting
 for an answer: an instance that turns unhealthy has those legs failed at once, so they fail over
 instead of waiting out their deadline. The same probe scrapes vLLM's ``/metrics`` queue gauges
-that ``least_loaded`` and ``slo_aware`` read, and decode's count of prompts it computed itself
+that ``least_loaded`` and ``slo_aware`` read; decode's count of prompts it computed itself
 although they came with a handoff (``vllm:kvdisagg_recomputed_prompts_total``), which the
-proxy's /metrics exports per instance: a silent recompute is visible where the fleet is watched.
+proxy's /metrics exports per instance, so a silent recompute is visible where the fleet is
+watched; and ``vllm:kvdisagg_retiring``: an instance that is retiring (SIGTERM,
+connector/retire.py) turns DRAINING by itself (no new legs; those in flight finish), and ACTIVE
+again if the same URL later answers without it (a new process).
 """
 
 from __future__ import annotations
@@ -111,6 +114,7 @@ class Instance:
         self.idle = asyncio.Event()
         self.idle.set()
         self.pool = Pool(self.url)
+        self.retiring = False  # DRAINING because the instance itself said it is retiring
         self.on_recovered: Callable[[Instance], None] = lambda inst: None
 
     # InstanceView
@@ -216,7 +220,11 @@ class Instance:
         if healthy:
             self.breaker.reset()
         elif self.last_probe_dead:  # a slow instance still answers the legs it has
-            self.pool.fail_waiting(f"{self.url} turned unhealthy ({self.last_probe_error})")
+            # A retiring one whose probes now fail has ended its drain (vLLM killed its engine
+            # at --shutdown-timeout and stopped listening): its streams stall for good, so they
+            # fail now and migrate instead of waiting out timeouts.decode_idle_s.
+            self.pool.fail_waiting(f"{self.url} turned unhealthy ({self.last_probe_error})",
+                                   streams=self.retiring)
 
 
 def parse_vllm_queue(text: bytes) -> tuple[float, float]:
@@ -244,6 +252,12 @@ def parse_recomputed(text: bytes) -> dict[str, float]:
             reason = m.group(1).decode("utf-8", "replace")
             out[reason] = out.get(reason, 0.0) + _sample(line)
     return out
+
+
+def parse_retiring(text: bytes) -> bool:
+    """Whether any engine of the instance exports ``vllm:kvdisagg_retiring`` 1."""
+    return any(_sample(line) > 0 for line in text.split(b"\n")
+               if line.startswith(b"vllm:kvdisagg_retiring"))
 
 
 def _sample(line: bytes) -> float:
@@ -302,7 +316,7 @@ class Registry:
 
     def undrain(self, url: str) -> Instance:
         inst = self.get(url)
-        inst.state = State.ACTIVE
+        inst.state, inst.retiring = State.ACTIVE, False
         self._cache.clear()
         return inst
 
@@ -353,9 +367,25 @@ class Registry:
                 if resp.status == 200:
                     inst.vllm_waiting, inst.vllm_running = parse_vllm_queue(text)
                     inst.recomputed = parse_recomputed(text)
+                    self.follow_retiring(inst, parse_retiring(text))
             except UpstreamError:
                 pass
         inst.probe_result(ok, error, self.cfg, dead=dead)
+
+    def follow_retiring(self, inst: Instance, retiring: bool) -> None:
+        """An instance that says it is retiring drains; one that no longer says so (a new
+        process at its URL) is ACTIVE again, unless an operator drained it."""
+        if retiring and inst.state is State.ACTIVE:
+            inst.state, inst.retiring = State.DRAINING, True
+            log.warning("instance %s (%s) is retiring: draining it (%d legs in flight)",
+                        inst.url, inst.role.value,
+                        inst.in_flight(Side.PREFILL) + inst.in_flight(Side.DECODE))
+        elif not retiring and inst.retiring and inst.state is State.DRAINING:
+            inst.state, inst.retiring = State.ACTIVE, False
+            log.info("instance %s (%s) is no longer retiring", inst.url, inst.role.value)
+        else:
+            return
+        self._cache.clear()
 
     async def probe_all(self) -> None:
         insts = list(self.instances.values())

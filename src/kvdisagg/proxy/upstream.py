@@ -432,13 +432,13 @@ class Pool:
             return Response(conn)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def fail_waiting(self, reason: str) -> int:
+    def fail_waiting(self, reason: str, streams: bool = False) -> int:
         """Fail every request still waiting for its answer with ``Abandoned(reason)``.
 
-        Streams already being relayed (they have their own idle bound) are left alone; so are
-        finished bodies. Returns how many were failed.
+        Streams already being relayed (they have their own idle bound) are left alone unless
+        ``streams``; finished bodies always. Returns how many were failed.
         """
-        waiting = [c for c in self._busy if c.sink is None and not c.done]
+        waiting = [c for c in self._busy if (streams or c.sink is None) and not c.done]
         for c in waiting:
             c._fail(Abandoned(reason))
         return len(waiting)

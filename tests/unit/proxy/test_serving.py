@@ -228,6 +228,48 @@ def test_prefill_without_kv_params_is_counted_not_silent() -> None:
     run(t())
 
 
+def test_prefill_aborting_requests_is_retried_elsewhere_not_missing_kv() -> None:
+    """A prefill that aborts new requests unanswered (vLLM shutting down, before the probe sees
+    it retiring): retried on another prefill, or decode-only with none; never counted as a
+    misconfigured prefill (missing kv_transfer_params)."""
+    async def t() -> None:
+        async with proxy(n_prefill=2) as env:
+            env.prefill[0].aborting = True
+            for _ in range(2):
+                r = await env.client.post("/v1/completions", json=GEN)
+                assert r.status == 200 and r.headers["X-Kvdisagg-Handoff"] == "pd"
+            assert all(s["body"]["kv_transfer_params"]["remote_engine_id"] == "engine-p1"
+                       for s in env.decode[0].seen)
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_missing_kv_transfer_params_total") == 0
+            assert metric(text, "kvdisagg_proxy_instance_errors_total", instance=env.urls["p0"],
+                          kind="aborted") >= 1
+        async with proxy(n_prefill=1) as env:
+            env.prefill[0].aborting = True
+            r = await env.client.post("/v1/completions", json=GEN)
+            assert r.status == 200
+            assert r.headers["X-Kvdisagg-Handoff"] == "decode_only:prefill_failed"
+    run(t())
+
+
+def test_decode_aborting_requests_is_retried_on_another_decode() -> None:
+    """A decode that aborts new requests unanswered (vLLM shutting down, before the probe sees
+    it retiring): the request is retried whole on another decode, never relayed as an empty
+    answer; streamed or not."""
+    async def t() -> None:
+        async with proxy(n_decode=2) as env:
+            d0, d1 = env.decode
+            d0.aborting = True
+            for stream in (False, True, False, True):
+                r = await env.client.post("/v1/completions", json={**GEN, "stream": stream})
+                text = await r.text()
+                assert r.status == 200 and '"abort"' not in text and "t0" in text, text
+            assert d0.seen and len(d1.seen) == 4
+            assert metric(await env.metrics(), "kvdisagg_proxy_instance_errors_total",
+                          instance=env.urls["d0"], kind="aborted") == len(d0.seen)
+    run(t())
+
+
 def test_decode_refusing_connection_retries_other_decode_with_same_handoff() -> None:
     async def t() -> None:
         async with proxy(dead_decode=1, health=HealthConfig(interval_s=60, startup_timeout_s=0.1,
@@ -404,6 +446,86 @@ def test_health_probes_mark_unhealthy_and_recover() -> None:
             for _ in range(4):
                 assert (await env.client.post("/v1/completions", json=GEN)).status == 200
             assert len(env.prefill[1].seen) == 2
+    run(t())
+
+
+def test_retiring_instance_drains_itself_then_returns_as_a_new_process() -> None:
+    """An instance whose /metrics says vllm:kvdisagg_retiring 1 (SIGTERM) turns DRAINING at the
+    next probe: its leg in flight finishes, new prompts go elsewhere; once it answers without
+    the gauge (a new process at its URL) it is ACTIVE again. An operator's drain stands."""
+    async def t() -> None:
+        async with proxy(n_prefill=2) as env:
+            p0, p1 = env.prefill
+
+            async def state(name: str) -> str:
+                r = await env.admin.get("/admin/list")
+                return next(i["state"] for i in (await r.json())["instances"]
+                            if i["url"] == env.urls[name])
+
+            async def until(name: str, want: str) -> None:
+                for _ in range(50):  # probes every 0.2 s
+                    if await state(name) == want:
+                        return
+                    await asyncio.sleep(0.05)
+                raise AssertionError(f"{name} is {await state(name)}, not {want}")
+
+            p0.delay_s = 0.6  # a prefill leg in flight on p0 when it retires
+            first = [asyncio.create_task(env.client.post("/v1/completions", json=GEN))
+                     for _ in range(2)]
+            await asyncio.sleep(0.1)
+            assert len(p0.seen) == 1
+            p0.retiring = True
+            await until("p0", "draining")
+            assert [(await q).status for q in first] == [200, 200]
+            n0 = len(p0.seen)
+            for _ in range(4):
+                r = await env.client.post("/v1/completions", json=GEN)
+                assert r.status == 200 and r.headers["X-Kvdisagg-Handoff"] == "pd"
+            assert len(p0.seen) == n0
+            p0.retiring = False  # restarted: a new process, no longer retiring
+            await until("p0", "active")
+            # An operator's drain is not undone by a probe that sees no retirement.
+            r = await env.admin.post("/admin/drain", json={"url": env.urls["p1"]})
+            assert r.status == 200
+            await asyncio.sleep(0.5)
+            assert await state("p1") == "draining"
+    run(t())
+
+
+def test_retiring_decode_gone_dead_migrates_its_streams_at_once() -> None:
+    """A retiring decode whose probes then fail (vLLM killed its engine at --shutdown-timeout
+    and its streams stall for good): its relayed streams fail at once and migrate, well before
+    timeouts.decode_idle_s."""
+    async def t() -> None:
+        async with proxy(n_decode=2, timeouts=TimeoutConfig(
+                prefill_s=2.0, decode_connect_s=2.0, decode_total_s=30.0,
+                decode_idle_s=20.0)) as env:
+            d0, d1 = env.decode
+            d0.tokens, d0.hang_after = 6, 2  # two events, then silence (its engine is gone)
+            body = {**GEN, "prompt": [5, 6, 7], "max_tokens": 6, "stream": True,
+                    "temperature": 0}
+            t0 = time.monotonic()
+            task = asyncio.create_task(env.client.post("/v1/completions", json=body))
+            for _ in range(50):
+                if d0.seen:
+                    break
+                await asyncio.sleep(0.02)
+            assert d0.seen, "the stream went to d1: route it to d0 for this test"
+            d0.retiring = True
+            for _ in range(50):
+                r = await env.admin.get("/admin/list")
+                if any(i["url"] == env.urls["d0"] and i["state"] == "draining"
+                       for i in (await r.json())["instances"]):
+                    break
+                await asyncio.sleep(0.05)
+            d0.health_status = 503  # its listener is gone
+            r = await task
+            text = await r.text()
+            assert r.status == 200 and "[DONE]" in text, text
+            assert time.monotonic() - t0 < 10.0, "waited out decode_idle_s"
+            assert d1.seen  # the continuation
+            assert metric(await env.metrics(), "kvdisagg_proxy_migrations_total",
+                          outcome="ok") == 1
     run(t())
 
 
