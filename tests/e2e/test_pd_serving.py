@@ -21,6 +21,7 @@ from .conftest import (
     prompt_ids,
     wait_handoffs_freed,
     wait_kv_usage_zero,
+    wait_metric_change,
 )
 
 pytestmark = pytest.mark.e2e
@@ -62,15 +63,6 @@ def test_decode_used_transferred_kv(fleet):
     assert metric(d, "vllm:kvdisagg_pulls_total") - pulls_before == 1
     assert metric(d, "vllm:kvdisagg_pulled_blocks_total") - blocks_before == blocks(n)
 
-
-def wait_metric_change(url: str, name: str, before: float, within_s: float = 10,
-                       **labels: str) -> float:
-    """The metric's value once it moved from ``before`` (vLLM publishes engine stats on an
-    interval), or as it is after ``within_s``."""
-    deadline = time.monotonic() + within_s
-    while (value := metric(url, name, **labels)) == before and time.monotonic() < deadline:
-        time.sleep(0.25)
-    return value
 
 
 def test_corrupted_transfer_fails_cleanly(fleet):

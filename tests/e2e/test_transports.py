@@ -21,6 +21,7 @@ from .conftest import (
     post,
     prompt_ids,
     wait_kv_usage_zero,
+    wait_metric_change,
 )
 from .test_pd_serving import GEN, completion
 
@@ -55,13 +56,6 @@ def tfleet(request, model):
 def reference(fleet, prompt):
     return completion(fleet.prefill.base_url, prompt)
 
-
-def wait_metric_change(url: str, name: str, before: float, timeout_s: float = 10) -> float:
-    """vLLM publishes connector stats on an interval: wait for them to move."""
-    deadline = time.monotonic() + timeout_s
-    while (value := metric(url, name)) == before and time.monotonic() < deadline:
-        time.sleep(0.25)
-    return value
 
 
 def test_token_identical_and_kv_moved(tfleet):

@@ -416,6 +416,18 @@ def test_two_instances_reset_and_unwatch() -> None:
 
 # -- discovery over HTTP ------------------------------------------------------------------------
 
+async def serve_get(path: str, handler: Any) -> tuple[web.AppRunner, str]:
+    """A loopback HTTP server answering GET ``path``; its runner and base URL."""
+    app = web.Application()
+    app.router.add_get(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
 def test_discovery_from_kv_event_sources() -> None:
     async def go() -> None:
         pub = Publisher()
@@ -427,14 +439,7 @@ def test_discovery_from_kv_event_sources() -> None:
                 return web.Response(status=answer)
             return web.json_response(answer)
 
-        app = web.Application()
-        app.router.add_get("/{name}/kv_event_sources", sources)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        base = f"http://127.0.0.1:{port}"
+        runner, base = await serve_get("/{name}/kv_event_sources", sources)
         p, r = pub.ports
         answers["good"] = {"0": {"enable_kv_cache_events": True, "publisher": "zmq",
                                  "endpoint": f"tcp://*:{p}", "replay_endpoint": f"tcp://*:{r}",
@@ -514,13 +519,7 @@ def test_a_starting_instance_is_found_soon_after_it_comes_up() -> None:
         async def sources(request: web.Request) -> web.Response:
             return web.json_response(good) if up else web.Response(status=503)
 
-        app = web.Application()
-        app.router.add_get("/kv_event_sources", sources)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        runner, url = await serve_get("/kv_event_sources", sources)
         index = CacheIndex(CacheIndexConfig(connect_timeout_s=2, retry_s=30))
         try:
             await index.watch(url, "decode")
