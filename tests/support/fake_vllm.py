@@ -32,6 +32,9 @@ class FakeVllm:
         self.with_kv = True  # prefill answers carry kv_transfer_params
         self.aborting = False  # answer 200 finish_reason "abort", as a vLLM shutting down does
         self.die_after: int | None = None  # decode: close the connection after N events
+        # decode: after N events, end the stream as vLLM does when its engine dies (an error
+        # event of code 500, then [DONE]: EngineDeadError, e.g. killed at --shutdown-timeout)
+        self.engine_dies_after: int | None = None
         self.hang_after: int | None = None  # decode: go silent after N events
         self.token_delay_s = 0.0  # streaming: pause before each token event (bench tests)
         self.use_max_tokens = False  # stream the request's max_tokens events, not ``tokens``
@@ -123,6 +126,12 @@ class FakeVllm:
             if self.die_after is not None and i >= self.die_after:
                 assert request.transport is not None
                 request.transport.abort()
+                return resp
+            if self.engine_dies_after is not None and i >= self.engine_dies_after:
+                dead = {"error": {"message": "EngineCore encountered an issue. See stack trace "
+                                  "(above) for the root cause.", "type": "InternalServerError",
+                                  "param": None, "code": 500}}
+                await resp.write(b"data: " + _enc(dead) + b"\n\ndata: [DONE]\n\n")
                 return resp
             if self.hang_after is not None and i >= self.hang_after:
                 await asyncio.sleep(3600)

@@ -87,8 +87,8 @@ def _corrupting_lmcache() -> type:
 
     class CorruptingLMCacheTransport(LMCacheTransport):
         def _receive(self, client: Any, chunk: Any, parts: list[memoryview],
-                     deadline: Deadline) -> None:
-            super()._receive(client, chunk, parts, deadline)
+                     deadline: Deadline, failed: Any) -> None:
+            super()._receive(client, chunk, parts, deadline, failed)
             first = parts[0]  # a page of the chunk (the last part is the checksum trailer)
             first[len(first) // 2] ^= 0x10
 

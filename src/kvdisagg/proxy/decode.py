@@ -283,6 +283,8 @@ async def relay_stream(s: Serving, request: web.Request, ctx: RequestCtx,
         while True:
             try:
                 await _pipe(s, request, leg, tap, chunked, stats)
+                if tap is not None and tap.failure is not None:
+                    raise UpstreamError(f"its engine ended the stream: {tap.failure}")
                 outcome, result = "ok", Outcome.OK
                 break
             except UpstreamError as exc:

@@ -13,6 +13,11 @@ the client under the original id, without a second role chunk, and its usage is 
 cover the whole answer. Greedy answers are identical to an uninterrupted run; seeded sampling
 restarts its generator at the break (docs/proxy.md says what is and is not reproduced).
 
+A leg fails mid-stream when its connection breaks or goes silent, and also when vLLM itself
+ends the stream with an error event of a server error (its engine died: ``EngineDeadError``,
+e.g. a decode killed at its ``--shutdown-timeout``): ``Tap`` holds that event back (and the
+``[DONE]`` after it) and the relay migrates the rest of the answer as for a broken connection.
+
 Only ``n == 1`` streams migrate (a break in one of n interleaved samples cannot be resumed
 alone); non-streamed requests need no migration: nothing was delivered, the decode stage
 retries them whole.
@@ -48,7 +53,7 @@ class Tap:
     waits for the rest)."""
 
     __slots__ = ("chat", "strip", "carry", "prompt_ids", "ids", "id", "resumed", "skip_role",
-                 "base")
+                 "base", "failure")
 
     def __init__(self, chat: bool, strip: bool, resumed: Tap | None = None) -> None:
         self.chat, self.strip = chat, strip
@@ -59,14 +64,20 @@ class Tap:
         self.id: bytes = resumed.id if resumed else b""
         self.resumed = resumed is not None
         self.skip_role = self.resumed and chat  # the client already has the role chunk
+        # The server error vLLM ended the stream with (its engine died): the leg failed.
+        self.failure: str | None = None
 
     def feed(self, data: bytes) -> bytes:
+        if self.failure is not None:
+            return b""  # after the error event: vLLM's [DONE], not for the client
         data = self.carry + data
         cut = data.rfind(b"\n\n") + 2
         if cut < 2:
             self.carry = data
             return b""
         self.carry, data = data[cut:], data[:cut]
+        if b'"error"' in data:
+            data = self._cut_at_server_error(data)
         if self.prompt_ids is None and (m := _PROMPT_IDS.search(data)):
             self.prompt_ids = _decode(m.group(1))  # a continuation keeps the original's
         for m in _TOKEN_IDS.finditer(data):
@@ -81,6 +92,24 @@ class Tap:
             else:
                 data = _PROMPT_IDS.sub(b'"prompt_token_ids":null',
                                        _TOKEN_IDS.sub(b'"token_ids":null', data))
+        return data
+
+    def _cut_at_server_error(self, data: bytes) -> bytes:
+        """``data`` up to an event that carries a server error (code >= 500), which is kept
+        back and recorded in ``failure``; other errors (the request's own) pass through."""
+        events = data.split(b"\n\n")
+        for i, event in enumerate(events):
+            if not event.startswith(b"data: {") or b'"error"' not in event:
+                continue
+            try:
+                error = _decode(event[6:]).get("error")
+                code = int(error.get("code") or 0) if isinstance(error, dict) else 0
+            except (msgspec.DecodeError, AttributeError, TypeError, ValueError):
+                continue
+            if code >= 500:
+                self.failure = str(error.get("message") or error)[:300]
+                self.carry = b""
+                return b"".join(e + b"\n\n" for e in events[:i])
         return data
 
     def _as_original(self, data: bytes) -> bytes:

@@ -60,6 +60,44 @@ def test_stream_migrates_to_another_decode_without_gap_or_duplicate() -> None:
     run(t(True))
 
 
+def test_a_stream_vllm_ends_with_a_server_error_migrates() -> None:
+    """vLLM ends a running stream with an error event of code 500 when its engine dies (a
+    decode killed at its --shutdown-timeout): the proxy keeps that event and its [DONE] from
+    the client and finishes the answer on the other decode. A request's own error (code 400)
+    is passed through as vLLM sent it."""
+    async def t() -> None:
+        async with proxy(n_decode=2) as env:
+            for d in env.decode:
+                d.use_max_tokens = True
+            env.decode[0].engine_dies_after = 3
+            body = {"model": "tiny", "prompt": "hello", "max_tokens": 8, "stream": True}
+            evs = events(await (await env.client.post("/v1/completions", json=body)).read())
+            assert token_texts(evs) == [f"t{k} " for k in range(8)]
+            assert not any("error" in e for e in evs if e != "[DONE]")
+            assert evs.count("[DONE]") == 1 and evs[-1] == "[DONE]"
+            (cont,) = env.decode[1].seen
+            assert cont["body"]["max_tokens"] == 5 and cont["body"]["prompt"][-3:] == [
+                100, 101, 102]
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_migrations_total", outcome="ok") == 1
+            assert metric(text, "kvdisagg_proxy_instance_in_flight") == 0
+    run(t())
+
+
+def test_a_client_error_event_mid_stream_is_not_migrated() -> None:
+    from kvdisagg.proxy.migrate import Tap
+
+    tap = Tap(chat=False, strip=False)
+    ok = b'data: {"id":"x","choices":[{"text":"a","token_ids":[5]}]}\n\n'
+    bad = b'data: {"error":{"message":"bad","type":"BadRequestError","code":400}}\n\n'
+    assert tap.feed(ok + bad) == ok + bad and tap.failure is None
+    dead = b'data: {"error":{"message":"EngineCore died","code":500}}\n\ndata: [DONE]\n\n'
+    assert tap.feed(ok + dead[:20]) == ok  # an event cut in two waits for its end
+    assert tap.feed(dead[20:]) == b"" and tap.failure == "EngineCore died"
+    assert tap.feed(ok) == b""  # nothing after the failure reaches the client
+    assert tap.ids == [5, 5]  # what the client got, not what came after the failure
+
+
 def test_only_decode_failing_twice_still_finishes_the_stream_then_gives_up() -> None:
     async def t(fault: str, tokens: int, migrations: int, finished: bool) -> None:
         async with proxy(retry=RetryConfig(migrations=migrations)) as env:
