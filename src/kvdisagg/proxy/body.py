@@ -213,6 +213,44 @@ _prefill_answer = msgspec.json.Decoder(_PrefillAnswer).decode
 _ABORTED = re.compile(rb'"finish_reason"\s*:\s*"abort"')
 
 
+class _Event(msgspec.Struct):
+    error: msgspec.Raw = msgspec.Raw(b"null")  # Raw cannot sit in a union
+
+
+_event = msgspec.json.Decoder(_Event).decode
+
+
+def error_of(payload: bytes) -> bytes | None:
+    """The ``error`` of one SSE event's JSON (vLLM's streamed error, e.g. after a failed KV
+    load, or its engine's death), or None for any other event."""
+    try:
+        err = bytes(_event(payload).error)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return None if err == b"null" else err
+
+
+class StreamError(msgspec.Struct):
+    """What vLLM's streamed ``error`` says (an OpenAI error object)."""
+
+    message: str = ""
+    code: int | None = None
+
+
+_stream_error = msgspec.json.Decoder(StreamError, strict=False).decode  # "500" reads as 500
+
+
+def stream_error(payload: bytes) -> StreamError | None:
+    """The error one SSE event's JSON carries, decoded; None for any other event (or an error
+    not shaped as OpenAI's)."""
+    if (err := error_of(payload)) is None:
+        return None
+    try:
+        return _stream_error(err)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
 def aborted(answer: bytes) -> bool:
     """vLLM finished the request as aborted (``finish_reason: abort``): an engine shutting down
     (SIGTERM) rejects every new request so."""

@@ -23,7 +23,6 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import msgspec
 from aiohttp import web
 
 from kvdisagg.compat._aiohttp import HeadersWithFirstChunk
@@ -54,29 +53,12 @@ log = logging.getLogger("kvdisagg.proxy")
 _now = time.perf_counter  # uvloop's loop.time() has 1 ms resolution: too coarse for TPOT
 
 
-class _Event(msgspec.Struct):
-    error: msgspec.Raw = msgspec.Raw(b"null")  # Raw cannot sit in a union
-
-
-_event = msgspec.json.Decoder(_Event).decode
-
-
-def error_of(payload: bytes) -> bytes | None:
-    """The ``error`` of one SSE event's JSON (vLLM's streamed error, e.g. after a failed KV
-    load), or None for any other event."""
-    try:
-        err = bytes(_event(payload).error)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
-    return None if err == b"null" else err
-
-
 def first_error(chunk: bytes) -> bytes | None:
     """The error the first event of ``chunk`` carries, if it is one."""
     if not chunk.startswith(b"data: "):
         return None
     end = chunk.find(b"\n\n")
-    return error_of(chunk[6:end if end >= 0 else len(chunk)])
+    return bodies.error_of(chunk[6:end if end >= 0 else len(chunk)])
 _CLIENT_HIGH_WATER = 1 << 20  # client write buffer that pauses reading the decode stream
 
 

@@ -101,13 +101,9 @@ class Tap:
         for i, event in enumerate(events):
             if not event.startswith(b"data: {") or b'"error"' not in event:
                 continue
-            try:
-                error = _decode(event[6:]).get("error")
-                code = int(error.get("code") or 0) if isinstance(error, dict) else 0
-            except (msgspec.DecodeError, AttributeError, TypeError, ValueError):
-                continue
-            if code >= 500:
-                self.failure = str(error.get("message") or error)[:300]
+            error = bodies.stream_error(event[6:])
+            if error is not None and (error.code or 0) >= 500:
+                self.failure = error.message[:300] or "an error event of code 500"
                 self.carry = b""
                 return b"".join(e + b"\n\n" for e in events[:i])
         return data
