@@ -16,7 +16,9 @@ one request (one handoff each); none of them may read a handoff another already 
 
 from __future__ import annotations
 
+import shutil
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -77,6 +79,28 @@ def burst(base_url: str, bodies: list[dict[str, Any]]) -> list[tuple[str, Any]]:
         return list(pool.map(lambda b: answer(base_url, b), bodies))
 
 
+def reference_burst(fleet: Fleet, bodies: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    """The plain instance's answers: the baseline, computed once more on a restarted instance
+    if its engine died under the burst (vLLM's CPU engine did once in CI, "EngineCore
+    encountered an issue", with P/D not yet involved). The crashed instance's log is kept as
+    reference-crashed.log; a second crash fails the test."""
+    ref = fleet.reference
+    assert ref is not None
+    try:
+        expected = burst(ref.base_url, bodies)
+        if all(k == "ok" for k, _ in expected):
+            return expected
+        failure = f"{sum(k != 'ok' for k, _ in expected)} of {len(bodies)} failed: {expected[:1]}"
+    except OSError as e:  # its API server had exited already
+        failure = repr(e)
+    warnings.warn(f"the plain reference failed ({failure}); restarting it", stacklevel=2)
+    ref.stop()
+    shutil.copy(ref.log_path, ref.log_path.with_name("reference-crashed.log"))
+    ref.start()
+    ref.wait_ready()
+    return burst(ref.base_url, bodies)
+
+
 @pytest.fixture(scope="module", params=["own-cores", "vllm-defaults"])
 def fleet(request, model):
     binds = ({} if request.param == "own-cores"
@@ -92,7 +116,7 @@ def fleet(request, model):
 def test_burst_past_decode_capacity_is_served_like_a_plain_instance(fleet):
     p, d = fleet.prefill.base_url, fleet.decode.base_url
     bodies = workload(BURST, seed=4000)
-    expected = burst(fleet.reference.base_url, bodies)
+    expected = reference_burst(fleet, bodies)
     assert [k for k, _ in expected] == ["ok"] * BURST, expected
     before = {name: metric(url, name) for url, name in
               [(p, "vllm:kvdisagg_handoffs_expired_total"),
@@ -134,6 +158,6 @@ def test_the_next_burst_is_served_at_once(fleet):
     bodies = workload(16, seed=5000)
     for body in bodies:
         body["max_tokens"] = min(body["max_tokens"], 32)
-    expected = burst(fleet.reference.base_url, bodies)
+    expected = reference_burst(fleet, bodies)
     got = burst(fleet.proxy_url, bodies)
     assert got == expected
