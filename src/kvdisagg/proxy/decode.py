@@ -59,6 +59,8 @@ def first_error(chunk: bytes) -> bytes | None:
         return None
     end = chunk.find(b"\n\n")
     return bodies.error_of(chunk[6:end if end >= 0 else len(chunk)])
+
+
 _CLIENT_HIGH_WATER = 1 << 20  # client write buffer that pauses reading the decode stream
 
 

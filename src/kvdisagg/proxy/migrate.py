@@ -103,7 +103,7 @@ class Tap:
                 continue
             error = bodies.stream_error(event[6:])
             if error is not None and (error.code or 0) >= 500:
-                self.failure = error.message[:300] or "an error event of code 500"
+                self.failure = error.message[:300] or f"an error event of code {error.code}"
                 self.carry = b""
                 return b"".join(e + b"\n\n" for e in events[:i])
         return data
