@@ -3,9 +3,13 @@
 
 One vLLM instance (tiny model, its own core, KV events on) and this process, side by side in one
 run, one call at a time. For each body kind (completion text, chat with a system prompt) and
-length (about 100, 1000, 2000 prompt tokens; fresh random words each round):
+length (about 100, 1000, 2000 prompt tokens; fresh random words each round; *conversation*: turn
+N of a chat, whose system prompt and earlier turns are the same every round and whose last
+answer and new user message, ~150 tokens, are fresh):
 
-    local       RequestTokenizer.local(): transformers tokenizer + chat template in process
+    local       RequestTokenizer.local(): transformers tokenizer + chat template in process,
+                with the memo of text between special tokens (token_memo.py)
+    whole       the same without the memo (``memo_tokens: 0``): every prompt tokenized whole
     token_ids   RequestTokenizer.token_ids() in local mode: the same, in a worker thread for
                 bodies of tokenizer.thread_min_chars or more (what a request waits)
     remote      RequestTokenizer.remote(): POST /tokenize over a kept-alive connection
@@ -48,11 +52,22 @@ def text(n_tokens: int, rng: random.Random) -> str:
     return " ".join(words)
 
 
+_HISTORY: dict[int, str] = {}
+
+
 def body(kind: str, n: int, rng: random.Random) -> dict[str, Any]:
     if kind == "completion":
         return {"model": "tiny", "prompt": text(n, rng)}
-    return {"model": "tiny", "messages": [{"role": "system", "content": text(n - 20, rng)},
-                                          {"role": "user", "content": text(15, rng)}]}
+    if kind == "chat":
+        return {"model": "tiny", "messages": [{"role": "system", "content": text(n - 20, rng)},
+                                              {"role": "user", "content": text(15, rng)}]}
+    # turn N of a conversation: what came before is the same every round, the last answer
+    # (48 tokens) and the new user message (100) are new
+    history = _HISTORY.setdefault(n, text(n - 160, random.Random(n)))
+    return {"model": "tiny", "messages": [
+        {"role": "system", "content": history}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": text(48, rng)},
+        {"role": "user", "content": text(100, rng)}]}
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -62,7 +77,9 @@ def pct(xs: list[float], q: float) -> float:
 
 async def measure(server: VllmServer, rounds: int) -> dict[str, Any]:
     tok = RequestTokenizer(TokenizerConfig(model=server.model))
+    whole = RequestTokenizer(TokenizerConfig(model=server.model, memo_tokens=0))
     await tok.start()
+    await whole.start()
     pool = Pool(server.base_url)
     index = CacheIndex(CacheIndexConfig())
     await index.watch(server.base_url)
@@ -71,16 +88,19 @@ async def measure(server: VllmServer, rounds: int) -> dict[str, Any]:
     rng = random.Random(0)
     out: dict[str, Any] = {}
     try:
-        for kind in ("completion", "chat"):
+        for kind in ("completion", "chat", "conversation"):
             for n in LENGTHS:
+                if kind == "conversation" and n < 500:
+                    continue
                 local_us: list[float] = []
+                whole_us: list[float] = []
                 async_us: list[float] = []
                 remote_us: list[float] = []
                 lookup_us: list[float] = []
                 local_cpu: list[float] = []
                 lookup_cpu: list[float] = []
                 counts: list[int] = []
-                chat = kind == "chat"
+                chat = kind != "completion"
                 # the prefix cached: the lookup walks every block of a real prompt
                 warm = body(kind, n, rng)
                 path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -110,8 +130,11 @@ async def measure(server: VllmServer, rounds: int) -> dict[str, Any]:
                     t4, c4 = time.perf_counter(), time.thread_time()
                     assert await tok.token_ids(b, chat) == local
                     t5 = time.perf_counter()
+                    assert whole.local(b, chat) == local
+                    t6 = time.perf_counter()
                     if r >= 5:  # warm-up rounds
                         local_us.append((t1 - t0) * 1e6)
+                        whole_us.append((t6 - t5) * 1e6)
                         remote_us.append((t2 - t1) * 1e6)
                         lookup_us.append((t4 - t3) * 1e6)
                         async_us.append((t5 - t4) * 1e6)
@@ -119,14 +142,16 @@ async def measure(server: VllmServer, rounds: int) -> dict[str, Any]:
                         lookup_cpu.append((c4 - c3) * 1e6)
                         counts.append(len(local[0]))
                 row = {"tokens": round(statistics.mean(counts)), "local_p50": pct(local_us, .5),
-                       "local_p99": pct(local_us, .99), "token_ids_p50": pct(async_us, .5),
+                       "local_p99": pct(local_us, .99), "whole_p50": pct(whole_us, .5),
+                       "token_ids_p50": pct(async_us, .5),
                        "token_ids_p99": pct(async_us, .99), "local_cpu_p50": pct(local_cpu, .5),
                        "lookup_cpu_p50": pct(lookup_cpu, .5), "remote_p50": pct(remote_us, .5),
                        "remote_p99": pct(remote_us, .99), "lookup_p50": pct(lookup_us, .5),
                        "lookup_p99": pct(lookup_us, .99)}
                 out[f"{kind}-{n}"] = row
-                print(f"{kind:10s} {row['tokens']:5d} tok  local {row['local_p50']:6.0f} /"
-                      f"{row['local_p99']:6.0f} (cpu {row['local_cpu_p50']:5.0f})  token_ids {row['token_ids_p50']:6.0f} /"
+                print(f"{kind:12s} {row['tokens']:5d} tok  local {row['local_p50']:6.0f} /"
+                      f"{row['local_p99']:6.0f} (cpu {row['local_cpu_p50']:5.0f}, whole "
+                      f"{row['whole_p50']:6.0f})  token_ids {row['token_ids_p50']:6.0f} /"
                       f"{row['token_ids_p99']:6.0f}  /tokenize {row['remote_p50']:6.0f} /"
                       f"{row['remote_p99']:6.0f}  lookup {row['lookup_p50']:4.0f} /"
                       f"{row['lookup_p99']:4.0f} (cpu {row['lookup_cpu_p50']:3.0f})   (us, p50 / p99)",

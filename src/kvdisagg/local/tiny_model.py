@@ -18,6 +18,8 @@ from typing import Any
 __all__ = ["ensure_tiny_model", "default_cache_dir", "TINY_CONFIG"]
 
 DONE_MARKER = "DONE"
+REVISION = 2
+"""Bumped when what is generated changes (a new cache directory). 2: messages end with EOS."""
 
 TINY_CONFIG: dict[str, Any] = dict(
     hidden_size=256,
@@ -39,10 +41,12 @@ EOS = "</s>"
 UNK = "<unk>"
 PAD = "<pad>"
 
+# Each message ends with the EOS token, as Zephyr's template does: like real models' templates
+# (ChatML, Llama 3, Gemma), a special token separates the messages.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
-    "{{ message['role'] }}: {{ message['content'] }}\n"
+    "{{ message['role'] }}: {{ message['content'] }}{{ eos_token }}\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
@@ -60,7 +64,7 @@ _WORDS = (
 
 
 def default_cache_dir(seed: int = 0) -> Path:
-    return Path.home() / ".cache" / "kvdisagg" / f"tiny-llama-{seed}"
+    return Path.home() / ".cache" / "kvdisagg" / f"tiny-llama-r{REVISION}-{seed}"
 
 
 def _corpus(seed: int, n_lines: int = 2000) -> list[str]:

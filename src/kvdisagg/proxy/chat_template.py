@@ -156,6 +156,13 @@ def _hf_base_params() -> frozenset[str]:
                      if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
 
 
+@lru_cache(maxsize=32)
+def _method_params(cls: Any) -> frozenset[str]:
+    """``_named_params`` of the bound method, per class (``inspect.signature`` costs more than
+    the rest of a request's tokenization)."""
+    return _named_params(cls.apply_chat_template) - {"self"}
+
+
 def _named_params(fn: Any) -> frozenset[str]:
     try:
         sig = inspect.signature(fn)
@@ -168,6 +175,7 @@ def _named_params(fn: Any) -> frozenset[str]:
 def accepted_kwargs(tokenizer: Any, chat_template: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The kwargs vLLM passes on to ``apply_chat_template``: those the tokenizer's method
     names, the template reads, or HF's base method names (``resolve_chat_template_kwargs``)."""
-    accept = (_named_params(tokenizer.apply_chat_template) | _template_vars(chat_template)
+    cls: Any = type(tokenizer)
+    accept = (_method_params(cls) | _template_vars(chat_template)
               | _hf_base_params()) - {"chat_template", "tokenize"}
     return {k: v for k, v in kwargs.items() if k in accept}

@@ -9,8 +9,9 @@ Two ways (``TokenizerMode``), measured side by side by benchmarks/tokenizer.py
   as vLLM parses them (content format detected from the template as vLLM does:
   chat_template.py), the template rendered with vLLM's defaults (``add_generation_prompt=True``,
   ``continue_final_message=False``, the server's default kwargs, request kwargs filtered the way
-  vLLM filters them), then ``tokenizer(text, add_special_tokens=False)``. Well under the proxy's
-  per-request budget, no round trip;
+  vLLM filters them), then ``tokenizer(text, add_special_tokens=False)``, the text between
+  special tokens taken from a memo where it was seen before (token_memo.py: a conversation's
+  earlier turns). No round trip;
 - ``remote``: vLLM's own ``POST /tokenize`` on an instance: exact by construction, one HTTP round
   trip per prompt.
 
@@ -35,6 +36,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from kvdisagg.errors import ConfigError, UpstreamError
+from kvdisagg.proxy.token_memo import SegmentMemo
 from kvdisagg.proxy.upstream import Pool
 
 __all__ = ["RequestTokenizer", "TokenizerConfig", "TokenizerMode"]
@@ -43,6 +45,8 @@ log = logging.getLogger("kvdisagg.proxy.tokens")
 
 Prompts = list[list[int]]
 """One token list per prompt vLLM runs (a chat body or a single prompt: one)."""
+_Job = tuple[list[str | list[int]], bool]
+"""What to tokenize: each prompt's text (or its given ids), and add_special_tokens."""
 
 _CHAT_ROLES = frozenset(("system", "user", "assistant"))
 # Message keys vLLM hands to the template besides role/content/name: refused unless unset.
@@ -82,9 +86,14 @@ class TokenizerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
     timeout_s: Annotated[float, msgspec.Meta(gt=0, le=600)] = 2.0
     """Bound on one /tokenize call (connect, then the answer)."""
     thread_min_chars: Annotated[int, msgspec.Meta(ge=0)] = 4096
-    """``local``: bodies with at least this much text are tokenized in a worker thread (the
-    tokenizer releases the GIL), so a long prompt does not hold the proxy's event loop; shorter
-    ones inline (the hop would cost more than it frees)."""
+    """``local``: bodies with at least this much text to tokenize (not counting what the memo
+    holds) are tokenized in a worker thread (the tokenizer releases the GIL), so a long prompt
+    does not hold the proxy's event loop; shorter ones inline (the hop would cost more than it
+    frees)."""
+    memo_tokens: Annotated[int, msgspec.Meta(ge=0)] = 262144
+    """``local``: token ids of the text between special tokens (a chat's system prompt, its
+    earlier messages) kept for the next request, so turn N of a conversation tokenizes only
+    its new messages (token_memo.py; exact, used only for tokenizers where it is). 0: off."""
 
 
 class _TokenizeResponse(msgspec.Struct):
@@ -166,23 +175,6 @@ def _conversation(messages: Any, content_format: str) -> list[dict[str, Any]] | 
     return conv
 
 
-def _text_chars(fields: dict[str, Any], chat: bool) -> int:
-    """About how much text a body carries (what tokenizing it costs)."""
-    if not chat:
-        p = fields.get("prompt")
-        if isinstance(p, str):
-            return len(p)
-        return sum(len(x) for x in p if isinstance(x, str)) if isinstance(p, list) else 0
-    n = 0
-    for m in fields.get("messages") or ():
-        c = m.get("content") if isinstance(m, dict) else None
-        if isinstance(c, str):
-            n += len(c)
-        elif isinstance(c, list):
-            n += sum(len(x.get("text") or "") if isinstance(x, dict) else len(str(x)) for x in c)
-    return n
-
-
 class _Local:
     """The tokenizer and template, loaded once (blocking: call from a thread)."""
 
@@ -235,6 +227,7 @@ class _Local:
                 rust.no_padding()
             rust.encode_special_tokens = bool(getattr(self.tok, "split_special_tokens", False))
             self._rust = rust
+        self.memo = SegmentMemo.build(rust, cfg.memo_tokens) if self._rust is not None else None
         self.content_format = cfg.chat_template_content_format
         if self.template is not None and self.content_format == "auto":
             self.content_format = chat_template.detect_content_format(self.template)
@@ -245,25 +238,32 @@ class _Local:
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """``tokenizer(text, add_special_tokens=...)["input_ids"]``."""
+        if self.memo is not None and not add_special_tokens:
+            return self.memo.encode(text)
         if self._rust is not None:
             encode = getattr(self._rust, "encode_batch_fast", self._rust.encode_batch)
             return list(encode([text], add_special_tokens=add_special_tokens)[0].ids)
         return list(self.tok(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def completion(self, fields: dict[str, Any]) -> Prompts | None:
+    def cost(self, job: _Job) -> int:
+        """Characters ``run(job)`` will tokenize (what the memo does not hold)."""
+        prompts, special = job
+        if self.memo is not None and not special:
+            return sum(self.memo.missing_chars(p) for p in prompts if isinstance(p, str))
+        return sum(len(p) for p in prompts if isinstance(p, str))
+
+    def run(self, job: _Job) -> Prompts:
+        prompts, special = job
+        return [self.encode(p, special) if isinstance(p, str) else list(p) for p in prompts]
+
+    def completion(self, fields: dict[str, Any]) -> _Job | None:
         prompts = _completion_prompts(fields)
         special = _add_special_tokens(fields, True)
         if prompts is None or special is None:
             return None
-        out: Prompts = []
-        for p in prompts:
-            if isinstance(p, str):
-                out.append(self.encode(p, special))
-            else:
-                out.append(list(p))
-        return out
+        return prompts, special
 
-    def chat(self, fields: dict[str, Any]) -> Prompts | None:
+    def chat(self, fields: dict[str, Any]) -> _Job | None:
         if self.template is None or any(fields.get(k) is not None for k in _CHAT_UNSUPPORTED):
             return None
         conv = _conversation(fields.get("messages"), self.content_format)
@@ -289,7 +289,7 @@ class _Local:
             return None  # vLLM answers 400 (the template refused the request)
         if not isinstance(text, str):
             return None
-        return [self.encode(text, special)]
+        return [text], special
 
 
 class RequestTokenizer:
@@ -308,12 +308,16 @@ class RequestTokenizer:
         if self.cfg.mode is TokenizerMode.LOCAL and self.cfg.model is not None:
             self._local = await asyncio.to_thread(_Local, self.cfg)
 
-    def local(self, fields: dict[str, Any], chat: bool) -> Prompts | None:
-        """The local way only (None: not loaded, or not reproducible exactly here)."""
+    def _job(self, fields: dict[str, Any], chat: bool) -> _Job | None:
         if self._local is None:
             return None
         self.local_calls += 1
         return self._local.chat(fields) if chat else self._local.completion(fields)
+
+    def local(self, fields: dict[str, Any], chat: bool) -> Prompts | None:
+        """The local way only (None: not loaded, or not reproducible exactly here)."""
+        job = self._job(fields, chat)
+        return None if job is None or self._local is None else self._local.run(job)
 
     async def remote(self, fields: dict[str, Any], chat: bool, pool: Pool) -> Prompts | None:
         """vLLM's ``POST /tokenize`` on ``pool``'s instance, one call per text prompt; None if
@@ -376,16 +380,15 @@ class RequestTokenizer:
 
         ``fields``: the decoded JSON body; ``chat``: a /v1/chat/completions body; ``pool``: an
         instance to ask /tokenize (remote mode, or local's fallback). Does not modify
-        ``fields``. Local tokenization runs on the caller's loop (tens to hundreds of
-        microseconds: benchmarks/tokenizer.py).
+        ``fields``. Local tokenization runs on the caller's loop, in a worker thread when
+        there is much text the memo does not hold (benchmarks/tokenizer.py).
         """
         if self.cfg.mode is TokenizerMode.LOCAL:
-            if _text_chars(fields, chat) >= self.cfg.thread_min_chars:
-                ids = await asyncio.to_thread(self.local, fields, chat)
-            else:
-                ids = self.local(fields, chat)
-            if ids is not None:
-                return ids
+            job = self._job(fields, chat)
+            if job is not None and self._local is not None:
+                if self._local.cost(job) >= self.cfg.thread_min_chars:
+                    return await asyncio.to_thread(self._local.run, job)
+                return self._local.run(job)
             if not self.cfg.remote_fallback and self._local is not None:
                 self.unsupported += 1
                 return None

@@ -95,7 +95,7 @@ def test_chat(tok: RequestTokenizer) -> None:
     hf = tok._local.tok  # type: ignore[union-attr]
     sys_ = {"role": "system", "content": "be brief"}
     user = {"role": "user", "content": "hello world"}
-    rendered = "<s>system: be brief\nuser: hello world\nassistant: "
+    rendered = "<s>system: be brief</s>\nuser: hello world</s>\nassistant: "
     assert tok.local(chat(sys_, user), True) == [hf(rendered, add_special_tokens=False)
                                                  ["input_ids"]]
     no_gen = tok.local(chat(sys_, user, add_generation_prompt=False), True)
@@ -104,7 +104,7 @@ def test_chat(tok: RequestTokenizer) -> None:
     parts = {"role": "user", "content": [{"type": "text", "text": "hello"},
                                          {"type": "text", "text": "world"}]}
     assert tok.local(chat(parts), True) == [
-        hf("<s>user: hello\nworld\nassistant: ", add_special_tokens=False)["input_ids"]]
+        hf("<s>user: hello\nworld</s>\nassistant: ", add_special_tokens=False)["input_ids"]]
     # what clients echo back from a previous answer is ignored by vLLM, and here too
     echoed = {"role": "assistant", "content": "hi", "refusal": None, "tool_calls": None,
               "annotations": []}
