@@ -41,6 +41,8 @@ class FakeVllm:
         self.health_status = 200
         self.health_delay_s = 0.0  # a slow /health (a starved host), not a dead one
         self.retiring = False  # /metrics says vllm:kvdisagg_retiring 1 (SIGTERM received)
+        self.others = 0  # requests of other clients its queue gauges count (waiting)
+        self.active = 0  # generation requests being answered (its running gauge)
         self.kv_load_failures = 0  # the next N decode legs with KV fail as vLLM does (policy fail)
         self.recomputed: dict[str, int] = {}  # vllm:kvdisagg_recomputed_prompts_total by reason
         self.seen: list[dict[str, Any]] = []
@@ -54,6 +56,13 @@ class FakeVllm:
                 "remote_port": 5600, "tp_size": 1}
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
+        self.active += 1
+        try:
+            return await self._generate(request)
+        finally:
+            self.active -= 1
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         body = _dec(raw)
         if self.record:
@@ -179,8 +188,8 @@ class FakeVllm:
     async def metrics(self, _request: web.Request) -> web.Response:
         """vLLM's queue gauges, and the connector's recompute counter as vLLM renders it
         (with its ``_created`` sample, which is not a count)."""
-        text = ('vllm:num_requests_waiting{engine="0"} 0.0\n'
-                'vllm:num_requests_running{engine="0"} 0.0\n')
+        text = (f'vllm:num_requests_waiting{{engine="0"}} {float(self.others)}\n'
+                f'vllm:num_requests_running{{engine="0"}} {float(self.active)}\n')
         for reason, n in self.recomputed.items():
             labels = f'{{engine="0",model_name="tiny",reason="{reason}"}}'
             text += (f"vllm:kvdisagg_recomputed_prompts_total{labels} {float(n)}\n"

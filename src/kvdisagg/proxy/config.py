@@ -137,6 +137,11 @@ class DecisionConfig(_Base):
     """Decode serves a request alone when it would compute at most this many prompt tokens
     itself (the prompt minus its cached prefix); scaled down as decode's predicted TPOT nears
     ``slo.tpot_s``. Measured default: docs/benchmarks.md."""
+    idle_decode_tokens: Annotated[int, msgspec.Meta(ge=0)] = 4096
+    """A decode with no stream to protect (nothing in flight but prompts it computes itself)
+    computes a longer prompt too, when prefill's queue holds at least as many prompt tokens
+    as decode would then have to compute, up to this many in all: a burst of cold prompts
+    uses both instances instead of queueing on prefill. 0: never."""
 
 
 class KubernetesDiscovery(_Base):

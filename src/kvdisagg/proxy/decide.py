@@ -12,8 +12,9 @@ by more than ``policy.prefix_load_slack`` legs; otherwise the decode policy's pi
 tokens that decode would compute itself (the prompt minus that prefix) decide:
 ``<= decision.local_prefill_tokens`` (scaled down as decode's predicted TPOT nears
 ``slo.tpot_s``: a decode under TPOT pressure gets fewer local prefills) -> decode alone;
-more -> disaggregated. A request form that only decode serves well (``body.local_reason``)
-goes to decode alone whatever its length.
+more -> disaggregated, unless prefill is backlogged while decode has nothing to protect
+(``prefill_backlogged``: decode computes it, ``prefill_busy``). A request form that only
+decode serves well (``body.local_reason``) goes to decode alone whatever its length.
 
 **Inputs.** The request's prompt tokens (exact token ids when the proxy has a tokenizer, else
 an estimate), what each instance caches (``CacheView``), decode's live TPOT estimate and load.
@@ -94,6 +95,19 @@ class Decider:
         headroom = 1.0 - SloAware.predict_tpot(decode) / self.cfg.slo.tpot_s
         return int(base * min(1.0, max(0.0, headroom)))
 
+    def prefill_backlogged(self, decode: Instance, uncached: int) -> bool:
+        """Whether ``decode`` computes this long prompt itself: it has no stream to protect
+        (nothing in flight but prompts it computes, none from other clients) and would have
+        at most ``decision.idle_decode_tokens`` to compute, no more than the least loaded
+        prefill's queue holds. A burst of cold prompts then uses both instances."""
+        cap = self.cfg.decision.idle_decode_tokens
+        if decode.in_flight(Side.DECODE) > decode.local_prefills or decode.vllm_others >= 1:
+            return False
+        mine = decode.local_prefill_tokens + uncached
+        prefills = self.registry.candidates(Side.PREFILL)
+        return mine <= cap and bool(prefills) and mine <= min(
+            p.in_flight_tokens(Side.PREFILL) for p in prefills)
+
     def decide(self, body: ClientBody, prompt_tokens: int | None = None,
                hits: dict[str, int] | None = None,
                avoid: tuple[Instance, ...] = ()) -> Decision:
@@ -119,5 +133,7 @@ class Decider:
         if not self.cfg.decision.enabled:
             return decided(Route.PD, "always")
         if uncached > threshold:
+            if self.prefill_backlogged(decode, uncached):
+                return decided(Route.DECODE_ONLY, "prefill_busy")
             return decided(Route.PD, "uncached_prompt")
         return decided(Route.DECODE_ONLY, "cached_prefix" if cached else "short_prompt")

@@ -54,6 +54,8 @@ class Prefilled(NamedTuple):
 
     kv: bytes | None
     local_reason: str = ""
+    local_tokens: int = 0
+    """Prompt tokens decode computes itself (predicted)."""
 
     @property
     def header(self) -> str:

@@ -20,11 +20,12 @@ again if the same URL later answers without it (a new process).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import msgspec
 
@@ -106,11 +107,18 @@ class Instance:
         self.retries = {Side.PREFILL: 0, Side.DECODE: 0}
         self.vllm_waiting = 0.0
         self.vllm_running = 0.0
+        self.vllm_others = 0.0
+        """Requests vLLM held at the last scrape beyond this proxy's decode legs: other
+        clients' (another proxy's, a direct caller's)."""
         self.recomputed: dict[str, float] = {}
         """The instance's vllm:kvdisagg_recomputed_prompts_total by reason, as last scraped."""
         self.prefill_s_per_token: float | None = None
         self.tpot_s: float | None = None
         self.tpot_load = 0.0
+        self.local_prefills = 0
+        """Decode legs computing their prompt here (sent, no first byte yet; decode.py)."""
+        self.local_prefill_tokens = 0
+        """The prompt tokens those legs compute (predicted)."""
         self.idle = asyncio.Event()
         self.idle.set()
         self.pool = Pool(self.url)
@@ -123,6 +131,21 @@ class Instance:
 
     def in_flight_tokens(self, side: Side) -> int:
         return self._tokens[side]
+
+    @contextlib.contextmanager
+    def computing_prompt(self, tokens: int | None) -> Iterator[None]:
+        """A decode leg computing ``tokens`` prompt tokens here itself (None: a handoff's
+        leg, nothing to count), until its first byte."""
+        if tokens is None:
+            yield
+            return
+        self.local_prefills += 1
+        self.local_prefill_tokens += tokens
+        try:
+            yield
+        finally:
+            self.local_prefills -= 1
+            self.local_prefill_tokens -= tokens
 
     # bookkeeping for one leg
     def start(self, side: Side, tokens: int) -> None:
@@ -361,11 +384,15 @@ class Registry:
             ok, error, dead = False, f"/health: {exc}", True
         if ok and cfg.scrape_metrics:  # load gauges only: a slow /metrics is not a failure
             try:
+                mine = inst.in_flight(Side.DECODE)
                 resp = await inst.pool.request(b"GET", "/metrics", connect_s=cfg.timeout_s,
                                                headers_s=cfg.timeout_s)
                 text = await resp.read(cfg.timeout_s)
                 if resp.status == 200:
                     inst.vllm_waiting, inst.vllm_running = parse_vllm_queue(text)
+                    # Discounted by the fewest of our own legs it may have counted.
+                    mine = min(mine, inst.in_flight(Side.DECODE))
+                    inst.vllm_others = max(0.0, inst.vllm_waiting + inst.vllm_running - mine)
                     inst.recomputed = parse_recomputed(text)
                     self.follow_retiring(inst, parse_retiring(text))
             except UpstreamError:

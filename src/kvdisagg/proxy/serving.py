@@ -188,7 +188,7 @@ class Serving:
             if isinstance(pre, web.Response):
                 return pre
         else:
-            pre = Prefilled(None, decision.reason)
+            pre = Prefilled(None, decision.reason, decision.uncached_tokens)
         self.metrics.routed("pd" if pre.kv is not None else "decode_only",
                             decision.reason if pre.kv is not None else pre.local_reason)
         if decision.cached_tokens and isinstance(decision.decode.instance, Instance):

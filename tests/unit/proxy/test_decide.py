@@ -3,6 +3,7 @@ disaggregate, or let decode serve the prompt alone, and which instance gets it."
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -111,4 +112,110 @@ def test_prefill_holding_the_prefix_gets_the_disaggregated_request() -> None:
                 assert r.headers["X-Kvdisagg-Handoff"] == "pd"
             assert len(env.prefill[1].seen) == 3 and env.prefill[0].seen == []
             assert [len(ids) for ids in cache.asked] == [1000] * 3  # the client's own ids
+    run(t())
+
+
+def test_an_idle_decode_takes_cold_prompts_while_prefill_is_backlogged() -> None:
+    """A burst of long prompts: the first goes through prefill; while prefill computes it, an
+    idle decode computes the next itself (as much as prefill's queue holds, within
+    ``idle_decode_tokens``), and none once decode streams an answer."""
+    async def t() -> None:
+        async with proxy(decision=DecisionConfig(local_prefill_tokens=100,
+                                                 idle_decode_tokens=1500)) as env:
+            env.prefill[0].delay_s = 1.0  # a prefill busy computing
+            env.decode[0].delay_s = 0.6  # decode computing its prompt
+            serving = env.client.server.app[SERVING]
+            (d,) = [i for i in serving.registry.instances.values() if i.url == env.urls["d0"]]
+
+            async def send(n: int, stream: bool = True) -> str:
+                r = await env.client.post("/v1/completions", json={
+                    "model": "tiny", "prompt": [5] * n, "max_tokens": 2, "stream": stream})
+                assert r.status == 200
+                await r.read()
+                return r.headers["X-Kvdisagg-Handoff"]
+
+            async def later(s: float, n: int) -> str:
+                await asyncio.sleep(s)
+                return await send(n)
+
+            # 1: prefill idle -> pd; 2: prefill holds 1000 >= 0 + 900 -> decode; 3: decode
+            # would hold 1800 > prefill's 1000 -> pd; 4: 900 + 500 <= 2000 -> decode; 5: past
+            # idle_decode_tokens (1400 + 400 > 1500) -> pd
+            got = await asyncio.gather(send(1000), later(0.1, 900), later(0.2, 900),
+                                       later(0.3, 500), later(0.4, 400))
+            assert got == ["pd", "decode_only:prefill_busy", "pd", "decode_only:prefill_busy",
+                           "pd"]
+            assert d.local_prefills == 0 and d.local_prefill_tokens == 0  # nothing leaks
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_routed_total", route="decode_only",
+                          reason="prefill_busy") == 2
+            # Decode streaming an answer (a handoff's leg) has a stream to protect: a long
+            # prompt waits for prefill even with prefill backlogged.
+            env.decode[0].delay_s, env.decode[0].token_delay_s = 0.0, 0.2
+            env.decode[0].tokens = 5
+            got = await asyncio.gather(send(1000), later(1.3, 900))
+            assert got == ["pd", "pd"]
+            # A whole (non-streamed) answer computed on decode counts as a stream throughout.
+            env.decode[0].token_delay_s = 0.0
+            env.decode[0].delay_s = 1.0
+            d.tpot_s = None  # the slow stream above used up the TPOT headroom
+            got = await asyncio.gather(send(100, stream=False), later(0.1, 1000),
+                                       later(0.2, 900))
+            assert got == ["decode_only:short_prompt", "pd", "pd"]
+    run(t())
+
+
+def test_idle_decode_tokens_zero_keeps_every_long_prompt_on_prefill() -> None:
+    async def t() -> None:
+        async with proxy(decision=DecisionConfig(local_prefill_tokens=100,
+                                                 idle_decode_tokens=0)) as env:
+            env.prefill[0].delay_s = 0.3
+
+            async def send(delay: float) -> str:
+                await asyncio.sleep(delay)
+                r = await env.client.post("/v1/completions", json={
+                    "model": "tiny", "prompt": [5] * 1000, "max_tokens": 2})
+                return r.headers["X-Kvdisagg-Handoff"]
+
+            assert await asyncio.gather(send(0), send(0.05)) == ["pd", "pd"]
+    run(t())
+
+
+def test_only_other_clients_requests_on_decode_keep_long_prompts_on_prefill() -> None:
+    """vLLM's queue gauges count this proxy's own legs too, scraped a moment ago: a leg of
+    ours that has since finished is not another client's stream; a request of another client
+    (``others``) is."""
+    async def t() -> None:
+        async with proxy(decision=DecisionConfig(local_prefill_tokens=100)) as env:
+            env.prefill[0].delay_s = 1.0
+            serving = env.client.server.app[SERVING]
+            (d,) = [i for i in serving.registry.instances.values() if i.url == env.urls["d0"]]
+
+            async def send(n: int, after_s: float = 0.0) -> str:
+                await asyncio.sleep(after_s)
+                r = await env.client.post("/v1/completions", json={
+                    "model": "tiny", "prompt": [5] * n, "max_tokens": 2, "stream": True})
+                await r.read()
+                return r.headers["X-Kvdisagg-Handoff"]
+
+            async def scraped(pred: Any) -> None:
+                for _ in range(100):
+                    if pred():
+                        return
+                    await asyncio.sleep(0.05)
+                raise AssertionError("no scrape saw it")
+
+            # Our own decode-only leg, seen running by a scrape, then finished.
+            env.decode[0].delay_s = 1.0
+            short = asyncio.ensure_future(send(50))
+            await scraped(lambda: d.vllm_running >= 1)
+            assert await short == "decode_only:short_prompt"
+            assert d.vllm_others == 0  # counted as ours
+            env.decode[0].delay_s = 0.2
+            assert await asyncio.gather(send(1000), send(900, 0.1)) == [
+                "pd", "decode_only:prefill_busy"]
+            # Another client's request waiting on decode.
+            env.decode[0].others = 1
+            await scraped(lambda: d.vllm_others >= 1)
+            assert await asyncio.gather(send(1000), send(900, 0.1)) == ["pd", "pd"]
     run(t())
