@@ -1,6 +1,7 @@
 """vLLM general plugin, loaded in every vLLM process: registers DisaggConnector (idempotent),
 on CPU hosts left to vLLM's default core binding makes OpenMP wait passively, and works around
-vLLM 0.32's CPU worker never allocating the pipeline-parallel receive buffer in eager mode."""
+two bugs of vLLM 0.32's CPU worker: the pipeline-parallel receive buffer never allocated in eager
+mode, and a seeded request whose prompt is computed in chunks killing the engine."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ def register() -> None:
         pass
     _passive_omp_on_shared_cores(os.environ, sys.argv)
     _cpu_pp_receive_buffer()
+    _cpu_seeded_chunks()
     _gil_friendly_spin(sys.argv)
 
 
@@ -135,6 +137,55 @@ def _cpu_pp_receive_buffer() -> None:
 
     compile_or_warm_up_model._kvdisagg = True  # type: ignore[attr-defined]
     CPUWorker.compile_or_warm_up_model = compile_or_warm_up_model
+
+
+def _cpu_seeded_chunks() -> None:
+    """Let vLLM's CPU model runner compute a seeded request's prompt in chunks.
+
+    A step that computes a chunk of a prompt, not its last, samples a token for it and drops
+    it. vLLM 0.32 then rewinds the request's generator (``seed``) so that the drop leaves its
+    random stream untouched: ``gen.set_offset(gen.get_offset() - 4)``, which only CUDA's Philox
+    generators have; a CPU generator raises "CPU Generator does not use offset" and EngineCore
+    dies with every request it holds. Any seeded request with a prompt longer than the step's
+    token budget left does it, so it happens under load, a plain instance's as much as a P/D
+    pair's. Here the rewind is done the CPU way: the generator's state, taken before sampling,
+    is put back after it; vLLM's own rewind then skips those generators."""
+    try:
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    except ImportError:  # a vLLM without a CPU model runner
+        return
+    sample, bookkeeping = CPUModelRunner._sample, CPUModelRunner._bookkeeping_sync
+    if getattr(sample, "_kvdisagg", False):
+        return
+
+    def dropped_cpu_generators(runner: Any) -> dict[int, Any]:
+        batch = runner.input_batch
+        dropped = runner.discard_request_mask.np[:batch.num_reqs].nonzero()[0]
+        return {int(i): gen for i in dropped
+                if (gen := batch.generators.get(int(i))) is not None
+                and gen.device.type == "cpu"}
+
+    def _sample(self: Any, *args: Any, **kwargs: Any) -> Any:
+        states = [(gen, gen.get_state()) for gen in dropped_cpu_generators(self).values()]
+        try:
+            return sample(self, *args, **kwargs)
+        finally:
+            for gen, state in states:
+                gen.set_state(state)
+
+    def _bookkeeping_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
+        generators = self.input_batch.generators
+        rewound = dropped_cpu_generators(self)
+        for i in rewound:
+            del generators[i]
+        try:
+            return bookkeeping(self, *args, **kwargs)
+        finally:
+            generators.update(rewound)
+
+    _sample._kvdisagg = True  # type: ignore[attr-defined]
+    CPUModelRunner._sample = _sample
+    CPUModelRunner._bookkeeping_sync = _bookkeeping_sync
 
 
 def _passive_omp_on_shared_cores(environ: dict[str, str] | os._Environ, argv: list[str]) -> bool:

@@ -23,7 +23,10 @@ TIMEOUT_S = 5.0
 LOG_DIR = Path(os.environ.get("KVDISAGG_TEST_LOGS", "/tmp/kvdisagg-e2e"))
 # Log lines worth a failure report: CI keeps no files, so the instances' own account of what went
 # wrong has to travel in the report.
-NOTEWORTHY = ("ERROR", "Traceback", "Error:", "kvdisagg", "refused", "timed out", "failed")
+NOTEWORTHY = ("ERROR", "Traceback", "Error:", "kvdisagg", "refused", "timed out", "failed",
+              # an engine process that died of a signal: vLLM only warns, faulthandler says why
+              "exited unexpectedly", "Fatal Python error", "Segmentation fault", "Aborted",
+              "Killed", "Current thread", "File \"")
 NOISE = ("Initializing KVConnectorBase_V1", "kv_connector_extra_config", "non-default args",
          "api_utils.py", "ulimit", "Initializing a V1 LLM engine", "Starting to load model")
 
@@ -41,7 +44,7 @@ def pytest_runtest_makereport(item, call):
                      if any(w in line for w in NOTEWORTHY) and not any(n in line for n in NOISE)]
             if lines:
                 report.sections.append((f"noteworthy lines of {log.relative_to(LOG_DIR)}",
-                                        "\n".join(lines[-40:])))
+                                        "\n".join(lines[-80:])))
     return report
 
 

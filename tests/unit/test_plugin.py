@@ -81,3 +81,44 @@ def test_plugin_makes_openmp_wait_passively_only_on_shared_cores(environ, argv, 
     before = dict(environ)
     assert _passive_omp_on_shared_cores(environ, argv) is applied
     assert environ == ({**before, **PASSIVE_OMP_ENV} if applied else before)
+
+
+def test_a_dropped_sample_leaves_a_seeded_cpu_generator_where_it_was(monkeypatch):
+    """The CPU rewind around vLLM's CPUModelRunner: sampling a chunk's dropped token draws from
+    the request's generator, which is put back; vLLM's own (CUDA) rewind never sees it; a kept
+    sample advances its generator as usual."""
+    import numpy as np
+    import torch
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    def sample(self, logits, spec):  # draws as vLLM's sampler does, one per seeded request
+        return {i: torch.rand(1, generator=g).item()
+                for i, g in self.input_batch.generators.items()}
+
+    def bookkeeping(self, *args):  # vLLM 0.32's rewind, which a CPU generator refuses
+        for i in np.nonzero(self.discard_request_mask.np[:self.input_batch.num_reqs])[0]:
+            if (gen := self.input_batch.generators.get(int(i))) is not None:
+                gen.set_offset(gen.get_offset() - 4)
+        return "kept"
+
+    monkeypatch.setattr(CPUModelRunner, "_sample", sample)
+    monkeypatch.setattr(CPUModelRunner, "_bookkeeping_sync", bookkeeping)
+    with pytest.raises(RuntimeError, match="does not use offset"):  # the bug, unpatched
+        bookkeeping(types.SimpleNamespace(
+            input_batch=types.SimpleNamespace(num_reqs=1, generators={0: torch.Generator()}),
+            discard_request_mask=types.SimpleNamespace(np=np.array([True]))))
+    plugin._cpu_seeded_chunks()
+    plugin._cpu_seeded_chunks()  # idempotent: wrapped once
+    assert CPUModelRunner._sample._kvdisagg
+    chunked, last = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    generators = {0: chunked, 2: last}
+    runner = types.SimpleNamespace(
+        input_batch=types.SimpleNamespace(num_reqs=3, generators=generators),
+        discard_request_mask=types.SimpleNamespace(np=np.array([True, True, False, False])))
+    first = CPUModelRunner._sample(runner, None, None)
+    assert CPUModelRunner._bookkeeping_sync(runner) == "kept"
+    assert generators == {0: chunked, 2: last}
+    # The chunk's generator draws its first number again; the other one has moved on.
+    again = CPUModelRunner._sample(runner, None, None)
+    assert again[0] == first[0] == torch.rand(1, generator=torch.Generator().manual_seed(1)).item()
+    assert again[2] != first[2]

@@ -94,6 +94,8 @@ class VllmServer:
             VLLM_CPU_KVCACHE_SPACE=str(self.kvcache_space_gib),
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
+            # An engine process that dies of a signal (SIGSEGV, SIGABRT) logs its Python stack.
+            PYTHONFAULTHANDLER="1",
         )
         # None: vLLM's own default (auto binding), as users start it.
         env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
