@@ -151,41 +151,10 @@ def _cpu_seeded_chunks() -> None:
     pair's. Here the rewind is done the CPU way: the generator's state, taken before sampling,
     is put back after it; vLLM's own rewind then skips those generators."""
     try:
-        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+        from kvdisagg.compat._vllm_cpu import rewind_dropped_samples_on_cpu
     except ImportError:  # a vLLM without a CPU model runner
         return
-    sample, bookkeeping = CPUModelRunner._sample, CPUModelRunner._bookkeeping_sync
-    if getattr(sample, "_kvdisagg", False):
-        return
-
-    def dropped_cpu_generators(runner: Any) -> dict[int, Any]:
-        batch = runner.input_batch
-        dropped = runner.discard_request_mask.np[:batch.num_reqs].nonzero()[0]
-        return {int(i): gen for i in dropped
-                if (gen := batch.generators.get(int(i))) is not None
-                and gen.device.type == "cpu"}
-
-    def _sample(self: Any, *args: Any, **kwargs: Any) -> Any:
-        states = [(gen, gen.get_state()) for gen in dropped_cpu_generators(self).values()]
-        try:
-            return sample(self, *args, **kwargs)
-        finally:
-            for gen, state in states:
-                gen.set_state(state)
-
-    def _bookkeeping_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
-        generators = self.input_batch.generators
-        rewound = dropped_cpu_generators(self)
-        for i in rewound:
-            del generators[i]
-        try:
-            return bookkeeping(self, *args, **kwargs)
-        finally:
-            generators.update(rewound)
-
-    _sample._kvdisagg = True  # type: ignore[attr-defined]
-    CPUModelRunner._sample = _sample
-    CPUModelRunner._bookkeeping_sync = _bookkeeping_sync
+    rewind_dropped_samples_on_cpu()
 
 
 def _passive_omp_on_shared_cores(environ: dict[str, str] | os._Environ, argv: list[str]) -> bool:

@@ -117,3 +117,16 @@ def test_the_private_access_check_can_fail(tmp_path: Path, code: str, caught: bo
     hits = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute)
             and n.attr.startswith("_") and isinstance(n.value, ast.Name) and n.value.id in deps]
     assert bool(hits) is caught
+
+
+def test_vllm_cpu_runner_rewinds_dropped_samples_by_offset() -> None:
+    """What compat/_vllm_cpu.py wraps: CPUModelRunner's ``_sample`` and ``_bookkeeping_sync``,
+    the latter rewinding dropped samples' generators with set_offset (vLLM 0.32)."""
+    import inspect
+
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert callable(CPUModelRunner._sample)
+    source = inspect.getsource(GPUModelRunner._bookkeeping_sync)
+    assert "discard_request_mask" in source and "set_offset" in source
