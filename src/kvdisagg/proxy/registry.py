@@ -390,8 +390,10 @@ class Registry:
                 text = await resp.read(cfg.timeout_s)
                 if resp.status == 200:
                     inst.vllm_waiting, inst.vllm_running = parse_vllm_queue(text)
-                    # Discounted by the fewest of our own legs it may have counted.
-                    mine = min(mine, inst.in_flight(Side.DECODE))
+                    # Discounted by the most of our own legs it may have counted: a leg that
+                    # ended during the scrape must not read as another client's for a probe
+                    # interval (it blocked prefill_busy right after a burst).
+                    mine = max(mine, inst.in_flight(Side.DECODE))
                     inst.vllm_others = max(0.0, inst.vllm_waiting + inst.vllm_running - mine)
                     inst.recomputed = parse_recomputed(text)
                     self.follow_retiring(inst, parse_retiring(text))
