@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp.test_utils import TestClient, TestServer
@@ -25,6 +26,14 @@ from kvdisagg.proxy.config import (
 from kvdisagg.proxy.types import Role
 from kvdisagg.tracing import Tracer
 from tests.support.fake_vllm import FakeVllm
+
+
+async def until(cond: Callable[[], bool], what: str, timeout_s: float = 5.0) -> None:
+    """Wait for ``cond`` (polled every 10 ms), failing the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
 
 
 def metric(text: str, name: str, **labels: str) -> float:

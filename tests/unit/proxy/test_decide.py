@@ -9,7 +9,7 @@ from typing import Any
 
 from kvdisagg.proxy.app import SERVING
 from kvdisagg.proxy.config import DecisionConfig, SloConfig
-from tests.support.proxy_harness import metric, proxy, run
+from tests.support.proxy_harness import metric, proxy, run, until
 
 
 class FakeCache:
@@ -198,17 +198,10 @@ def test_only_other_clients_requests_on_decode_keep_long_prompts_on_prefill() ->
                 await r.read()
                 return r.headers["X-Kvdisagg-Handoff"]
 
-            async def scraped(pred: Any) -> None:
-                for _ in range(100):
-                    if pred():
-                        return
-                    await asyncio.sleep(0.05)
-                raise AssertionError("no scrape saw it")
-
             # Our own decode-only leg, seen running by a scrape, then finished.
             env.decode[0].delay_s = 1.0
             short = asyncio.ensure_future(send(50))
-            await scraped(lambda: d.vllm_running >= 1)
+            await until(lambda: d.vllm_running >= 1, "a scrape seeing our leg")
             assert await short == "decode_only:short_prompt"
             assert d.vllm_others == 0  # counted as ours
             env.decode[0].delay_s = 0.2
@@ -216,6 +209,6 @@ def test_only_other_clients_requests_on_decode_keep_long_prompts_on_prefill() ->
                 "pd", "decode_only:prefill_busy"]
             # Another client's request waiting on decode.
             env.decode[0].others = 1
-            await scraped(lambda: d.vllm_others >= 1)
+            await until(lambda: d.vllm_others >= 1, "a scrape seeing the other client")
             assert await asyncio.gather(send(1000), send(900, 0.1)) == ["pd", "pd"]
     run(t())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from kvdisagg.proxy.registry import Outcome, Registry, State
 from kvdisagg.proxy.types import Role, Side
 from tests.support.fake_vllm import FakeVllm
 from tests.support.kube_api import KubeApi
+from tests.support.proxy_harness import until
 
 P, D = Role.PREFILL, Role.DECODE
 DEC = {"app.kubernetes.io/name": "vllm", "kvdisagg/role": "decode"}
@@ -66,13 +67,6 @@ def source(url: str, sa: Path, selector: str = DEC_SEL, role: Role = D, port: in
     kw.setdefault("retry_s", (0.02, 0.2))
     kcfg = KubernetesDiscovery(decode_selector=selector, port=port, api_server=url)
     return KubernetesSource(kcfg, selector, role, timeout_s, sa_dir=sa, plain_http=True, **kw)
-
-
-async def until(pred: Callable[[], bool], what: str, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 def u(ip: str, port: int = 8000) -> str:

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -29,6 +30,7 @@ from kvdisagg.proxy.kv_events import (
     source_from_publisher,
     subscriber_address,
 )
+from tests.support.proxy_harness import until as harness_until
 from tests.support.zmq_relay import LossyRelay
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
@@ -98,12 +100,7 @@ class Publisher:
         self.pub.shutdown()
 
 
-async def until(cond: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
+until = functools.partial(harness_until, timeout_s=WAIT_S)
 
 
 @contextlib.asynccontextmanager
