@@ -108,17 +108,16 @@ class Decider:
         return mine <= cap and bool(prefills) and mine <= min(
             p.in_flight_tokens(Side.PREFILL) for p in prefills)
 
-    def decide(self, body: ClientBody, prompt_tokens: int | None = None,
-               hits: dict[str, int] | None = None,
+    def decide(self, body: ClientBody, hits: dict[str, int] | None = None,
                avoid: tuple[Instance, ...] = ()) -> Decision:
-        """``prompt_tokens``: the prompt's exact length when known (else the body's estimate);
-        ``hits``: cached prompt tokens per instance; ``avoid``: decode instances to choose
-        only when no other is routable."""
+        """``hits``: cached prompt tokens per instance; ``avoid``: decode instances to choose
+        only when no other is routable. The prompt's length is ``body.route.prompt_tokens``:
+        exact when the proxy knows the token ids (``Serving.open``), else an estimate."""
         hits = hits or {}
         cands = (self.registry.candidates(Side.DECODE, avoid)
                  or self.registry.candidates(Side.DECODE))
         sel = self.choose_decode(body, cands, hits)
-        prompt = prompt_tokens if prompt_tokens is not None else body.route.prompt_tokens
+        prompt = body.route.prompt_tokens
         decode = sel.instance
         if not isinstance(decode, Instance):  # none routable: the decode stage says so
             return Decision(Route.PD, "no_decode", sel, prompt, 0, 0)

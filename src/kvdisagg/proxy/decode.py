@@ -158,67 +158,67 @@ async def _attempt(s: Serving, ctx: RequestCtx, inst: Instance, pre: Prefilled,
     dbody = bodies.decode_body(ctx.body, pre.kv, traceparent_of(span),
                                token_ids=migratable(s, ctx.body))
     sent_at = _now()
-    leg = LegScope(inst, Side.DECODE, ctx.body.route.max_tokens, s.metrics, span)
     # Until its first byte, a streamed decode-only leg is a prompt decode computes (decide.py;
     # a whole answer's first byte comes at its end: counted as a stream throughout).
-    local = pre.kv is None and ctx.body.stream
-    with inst.computing_prompt(pre.local_tokens if local else None):
-        try:
-            # Headers may come only when generation is done (vLLM, not streamed).
-            left = deadline - sent_at
-            resp = await inst.pool.request(b"POST", ctx.path, dbody, ctx.leg_headers(span),
-                                           connect_s=min(t.decode_connect_s, left), headers_s=left)
-        except UpstreamError as exc:
-            leg.fail(kind_of(exc), outcome_of(exc))
-            # A refused connection: decode never saw the handoff, which can be used again.
-            return _Failed(LegFailure.of(exc, f"decode {inst.url}: {exc}"), False, exc.sent)
-        except asyncio.CancelledError:
-            leg.close(Outcome.CANCELLED, "cancelled")
-            raise
-        try:
-            if resp.status >= 500 or resp.status in RETRYABLE_STATUS:
-                try:
-                    data = await resp.read(max(0.001, min(t.decode_idle_s, deadline - _now())))
-                except UpstreamError:
-                    data = b""
-                # vLLM answers 500 to a failed KV load, which may be the prefill's fault: counted,
-                # but not held against this decode's breaker.
-                neutral = resp.status == 500 and pre.kv is not None
-                leg.fail(FailKind.STATUS, Outcome.NEUTRAL if neutral
-                         else status_outcome(resp.status))
-                return _Failed(LegFailure(FailKind.STATUS, f"decode {inst.url} returned "
-                                          f"{resp.status}: {data[:300].decode('utf-8', 'replace')}",
-                                          502), True, True)
-            if not ctx.body.stream or not 200 <= resp.status < 300:
-                head: bytes | None = await resp.read(max(0.001, deadline - _now()))
-            else:
-                head = await resp.next_chunk(max(0.001, deadline - _now()))
-            if head is not None and 200 <= resp.status < 300 and bodies.aborted(head):
-                # vLLM aborted it unanswered: an engine shutting down (SIGTERM) rejects new
-                # requests so, before the probes see the instance retiring.
-                resp.close()
-                leg.fail(FailKind.ABORTED, Outcome.NEUTRAL)
-                return _Failed(LegFailure(FailKind.ABORTED, f"decode {inst.url} aborted the "
-                                          "request (shutting down?)", 502), True, True)
-            if ctx.body.stream and 200 <= resp.status < 300:
-                if head is not None and (error := first_error(head)) is not None:
-                    resp.close()
-                    # After a handoff the KV source may be at fault (a dead prefill): counted,
-                    # but not against this decode's breaker.
-                    leg.fail(FailKind.ERROR_EVENT,
-                             Outcome.BROKEN if pre.kv is None else Outcome.NEUTRAL)
-                    return _Failed(LegFailure(
-                        FailKind.ERROR_EVENT, f"decode {inst.url} answered with an error event: "
-                        f"{error[:300].decode('utf-8', 'replace')}", 502), True, True)
-        except UpstreamError as exc:
-            leg.fail(kind_of(exc), outcome_of(exc))
-            return _Failed(LegFailure.of(exc, f"decode {inst.url} failed before the first "
-                                         f"byte: {exc}"), True, True)
-        except BaseException:
-            leg.close(Outcome.CANCELLED, "cancelled")
+    local = pre.local_tokens if pre.kv is None and ctx.body.stream else None
+    leg = LegScope(inst, Side.DECODE, ctx.body.route.max_tokens, s.metrics, span, local)
+    try:
+        # Headers may come only when generation is done (vLLM, not streamed).
+        left = deadline - sent_at
+        resp = await inst.pool.request(b"POST", ctx.path, dbody, ctx.leg_headers(span),
+                                       connect_s=min(t.decode_connect_s, left), headers_s=left)
+    except UpstreamError as exc:
+        leg.fail(kind_of(exc), outcome_of(exc))
+        # A refused connection: decode never saw the handoff, which can be used again.
+        return _Failed(LegFailure.of(exc, f"decode {inst.url}: {exc}"), False, exc.sent)
+    except asyncio.CancelledError:
+        leg.close(Outcome.CANCELLED, "cancelled")
+        raise
+    try:
+        if resp.status >= 500 or resp.status in RETRYABLE_STATUS:
+            try:
+                data = await resp.read(max(0.001, min(t.decode_idle_s, deadline - _now())))
+            except UpstreamError:
+                data = b""
+            # vLLM answers 500 to a failed KV load, which may be the prefill's fault: counted,
+            # but not held against this decode's breaker.
+            neutral = resp.status == 500 and pre.kv is not None
+            leg.fail(FailKind.STATUS, Outcome.NEUTRAL if neutral
+                     else status_outcome(resp.status))
+            return _Failed(LegFailure(FailKind.STATUS, f"decode {inst.url} returned "
+                                      f"{resp.status}: {data[:300].decode('utf-8', 'replace')}",
+                                      502), True, True)
+        if not ctx.body.stream or not 200 <= resp.status < 300:
+            head: bytes | None = await resp.read(max(0.001, deadline - _now()))
+        else:
+            head = await resp.next_chunk(max(0.001, deadline - _now()))
+        if head is not None and 200 <= resp.status < 300 and bodies.aborted(head):
+            # vLLM aborted it unanswered: an engine shutting down (SIGTERM) rejects new
+            # requests so, before the probes see the instance retiring.
             resp.close()
-            raise
-        return Opened(inst, resp, leg, head, sent_at, pre)
+            leg.fail(FailKind.ABORTED, Outcome.NEUTRAL)
+            return _Failed(LegFailure(FailKind.ABORTED, f"decode {inst.url} aborted the "
+                                      "request (shutting down?)", 502), True, True)
+        if ctx.body.stream and 200 <= resp.status < 300:
+            if head is not None and (error := first_error(head)) is not None:
+                resp.close()
+                # After a handoff the KV source may be at fault (a dead prefill): counted,
+                # but not against this decode's breaker.
+                leg.fail(FailKind.ERROR_EVENT,
+                         Outcome.BROKEN if pre.kv is None else Outcome.NEUTRAL)
+                return _Failed(LegFailure(
+                    FailKind.ERROR_EVENT, f"decode {inst.url} answered with an error event: "
+                    f"{error[:300].decode('utf-8', 'replace')}", 502), True, True)
+    except UpstreamError as exc:
+        leg.fail(kind_of(exc), outcome_of(exc))
+        return _Failed(LegFailure.of(exc, f"decode {inst.url} failed before the first "
+                                     f"byte: {exc}"), True, True)
+    except BaseException:
+        leg.close(Outcome.CANCELLED, "cancelled")
+        resp.close()
+        raise
+    leg.prompt_computed()
+    return Opened(inst, resp, leg, head, sent_at, pre)
 
 
 def out_headers(ctx: RequestCtx, opened: Opened, handoff: str) -> dict[str, str]:

@@ -71,16 +71,29 @@ def status_outcome(status: int) -> Outcome:
 
 class LegScope:
     """One leg's bookkeeping from start to ``close`` (idempotent): the instance's in-flight
-    legs and tokens, its breaker, the error counter and the span."""
+    legs and tokens, its breaker, the error counter and the span; for a decode leg that
+    computes its prompt itself (``local_tokens``), the instance's local prefills until
+    ``prompt_computed`` (its first byte) or the end."""
 
-    __slots__ = ("inst", "side", "tokens", "metrics", "span", "closed")
+    __slots__ = ("inst", "side", "tokens", "metrics", "span", "closed", "local_tokens")
 
     def __init__(self, inst: Instance, side: Side, tokens: int, metrics: Metrics,
-                 span: Any = None) -> None:
+                 span: Any = None, local_tokens: int | None = None) -> None:
         self.inst, self.side, self.tokens = inst, side, tokens
         self.metrics, self.span = metrics, span
         self.closed = False
         inst.start(side, tokens)
+        self.local_tokens = local_tokens
+        if local_tokens is not None:
+            inst.local_prefills += 1
+            inst.local_prefill_tokens += local_tokens
+
+    def prompt_computed(self) -> None:
+        """The leg's prompt is no longer being computed (idempotent)."""
+        if self.local_tokens is not None:
+            self.inst.local_prefills -= 1
+            self.inst.local_prefill_tokens -= self.local_tokens
+            self.local_tokens = None
 
     def fail(self, kind: FailKind, outcome: Outcome) -> None:
         """Count the failure and end the leg."""
@@ -91,5 +104,6 @@ class LegScope:
         if self.closed:
             return
         self.closed = True
+        self.prompt_computed()
         self.inst.finish(self.side, self.tokens, outcome)
         end(self.span, outcome=span_outcome or outcome.name.lower())

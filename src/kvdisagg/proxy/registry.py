@@ -20,12 +20,11 @@ again if the same URL later answers without it (a new process).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import msgspec
 
@@ -116,7 +115,7 @@ class Instance:
         self.tpot_s: float | None = None
         self.tpot_load = 0.0
         self.local_prefills = 0
-        """Decode legs computing their prompt here (sent, no first byte yet; decode.py)."""
+        """Decode legs computing their prompt here (sent, no first byte yet; legs.LegScope)."""
         self.local_prefill_tokens = 0
         """The prompt tokens those legs compute (predicted)."""
         self.idle = asyncio.Event()
@@ -131,21 +130,6 @@ class Instance:
 
     def in_flight_tokens(self, side: Side) -> int:
         return self._tokens[side]
-
-    @contextlib.contextmanager
-    def computing_prompt(self, tokens: int | None) -> Iterator[None]:
-        """A decode leg computing ``tokens`` prompt tokens here itself (None: a handoff's
-        leg, nothing to count), until its first byte."""
-        if tokens is None:
-            yield
-            return
-        self.local_prefills += 1
-        self.local_prefill_tokens += tokens
-        try:
-            yield
-        finally:
-            self.local_prefills -= 1
-            self.local_prefill_tokens -= tokens
 
     # bookkeeping for one leg
     def start(self, side: Side, tokens: int) -> None:

@@ -13,7 +13,9 @@ shutting down): 429/503 with ``Retry-After``, counted in ``kvdisagg_proxy_reject
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import logging
 import math
 import re
 import time
@@ -37,6 +39,7 @@ from kvdisagg.proxy.tokens import RequestTokenizer
 from kvdisagg.proxy.types import Side
 from kvdisagg.tracing import Tracer, end, traceparent_of, valid_traceparent
 
+log = logging.getLogger("kvdisagg.proxy")
 _RID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _now = time.perf_counter
 
@@ -170,14 +173,22 @@ class Serving:
         """Decide, prefill if disaggregated, and open a decode leg that answered. ``avoid``:
         decode instances to use only when no other is left (a migrated stream's)."""
         ids = await self.token_ids(ctx.body)
+        if ids is not None and len(ids) != ctx.body.route.prompt_tokens:
+            # The exact length replaces the estimate for every stage: the decision, and the
+            # prompt tokens a prefill leg queues (what ``prefill_backlogged`` weighs).
+            ctx.body = ctx.body._replace(route=dataclasses.replace(ctx.body.route,
+                                                                   prompt_tokens=len(ids)))
         if ids is not None and self.cache is not None:
             try:
                 ctx.hits = self.cache.cached_tokens(ids, BlockExtra(
                     lora_name=None, cache_salt=_str(ctx.body.fields.get("cache_salt"))))
             except ValueError:  # ids the index cannot hold: no prediction
                 ctx.hits = {}
-        decision = self.decider.decide(ctx.body, len(ids) if ids is not None else None,
-                                       ctx.hits, avoid)
+        decision = self.decider.decide(ctx.body, ctx.hits, avoid)
+        log.debug("request %s: %s:%s, %d prompt tokens, %d cached on decode %s (threshold %d)",
+                  ctx.rid, decision.route.value, decision.reason, ctx.body.route.prompt_tokens,
+                  decision.cached_tokens, getattr(decision.decode.instance, "url", None),
+                  decision.threshold)
         if ctx.root is not None:
             ctx.root.set_attributes({"kvdisagg.route": decision.route.value,
                                      "kvdisagg.reason": decision.reason,

@@ -9,6 +9,7 @@ from typing import Any
 
 from kvdisagg.proxy.app import SERVING
 from kvdisagg.proxy.config import DecisionConfig, SloConfig
+from kvdisagg.proxy.types import Side
 from tests.support.proxy_harness import metric, proxy, run, until
 
 
@@ -211,4 +212,41 @@ def test_only_other_clients_requests_on_decode_keep_long_prompts_on_prefill() ->
             env.decode[0].others = 1
             await until(lambda: d.vllm_others >= 1, "a scrape seeing the other client")
             assert await asyncio.gather(send(1000), send(900, 0.1)) == ["pd", "pd"]
+    run(t())
+
+
+class CharTokenizer:
+    """Three token ids per character: far more than the body's estimate (characters / 4), as
+    the tiny model's tokenizer gives for prose."""
+
+    async def token_ids(self, fields: dict[str, Any], chat: bool, pool: Any = None
+                        ) -> list[list[int]]:
+        return [[7] * (3 * len(fields["prompt"]))]
+
+
+def test_prefill_legs_queue_the_exact_prompt_length_once_the_proxy_tokenizes() -> None:
+    """The backlog ``prefill_busy`` weighs is prefill's queued prompt tokens: the exact count
+    when the proxy tokenized the prompt, not the characters / 4 estimate (which undercounts
+    prose 12x here and would keep a second cold prompt on prefill)."""
+    async def t() -> None:
+        async with proxy(decision=DecisionConfig(local_prefill_tokens=100)) as env:
+            serving = env.client.server.app[SERVING]
+            serving.cache = FakeCache({env.urls["d0"]: 0, env.urls["p0"]: 0})
+            serving.tokenizer = CharTokenizer()
+            env.prefill[0].delay_s = 1.0
+            (p,) = serving.registry.candidates(Side.PREFILL)
+
+            async def send(chars: int, after_s: float = 0.0) -> str:
+                await asyncio.sleep(after_s)
+                r = await env.client.post("/v1/completions", json={
+                    "model": "tiny", "prompt": "x" * chars, "max_tokens": 2, "stream": True})
+                await r.read()
+                return r.headers["X-Kvdisagg-Handoff"]
+
+            first = asyncio.ensure_future(send(300))  # 900 tokens (estimate 75)
+            await until(lambda: p.in_flight(Side.PREFILL) == 1, "the prefill leg in flight")
+            assert p.in_flight_tokens(Side.PREFILL) == 900
+            assert await send(290) == "decode_only:prefill_busy"  # 870 <= 900 queued
+            assert await first == "pd"
+            assert p.in_flight_tokens(Side.PREFILL) == 0
     run(t())
