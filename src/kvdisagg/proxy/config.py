@@ -139,9 +139,9 @@ class DecisionConfig(_Base):
     ``slo.tpot_s``. Measured default: docs/benchmarks.md."""
     idle_decode_tokens: Annotated[int, msgspec.Meta(ge=0)] = 4096
     """A decode with no stream to protect (nothing in flight but prompts it computes itself)
-    computes a longer prompt too, when prefill's queue holds at least as many prompt tokens
-    as decode would then have to compute, up to this many in all: a burst of cold prompts
-    uses both instances instead of queueing on prefill. 0: never."""
+    computes a longer prompt too, when every prefill has a queue at least as long (in prompt
+    tokens) as decode's own, up to this many prompt tokens in decode's queue: a burst of
+    cold prompts uses both instances instead of queueing on prefill. 0: never."""
 
 
 class KubernetesDiscovery(_Base):

@@ -97,16 +97,18 @@ class Decider:
 
     def prefill_backlogged(self, decode: Instance, uncached: int) -> bool:
         """Whether ``decode`` computes this long prompt itself: it has no stream to protect
-        (nothing in flight but prompts it computes, none from other clients) and would have
-        at most ``decision.idle_decode_tokens`` to compute, no more than the least loaded
-        prefill's queue holds. A burst of cold prompts then uses both instances."""
+        (nothing in flight but prompts it computes, none from other clients), every prefill
+        has a queue, and decode's own queue of prompts is no longer than the shortest of
+        them: the prompt then starts on decode no later than on a prefill, and skips the
+        handoff. Decode's queue, this prompt included, stays within
+        ``decision.idle_decode_tokens``. A burst of cold prompts then uses both instances."""
         cap = self.cfg.decision.idle_decode_tokens
         if decode.in_flight(Side.DECODE) > decode.local_prefills or decode.vllm_others >= 1:
             return False
-        mine = decode.local_prefill_tokens + uncached
         prefills = self.registry.candidates(Side.PREFILL)
-        return mine <= cap and bool(prefills) and mine <= min(
-            p.in_flight_tokens(Side.PREFILL) for p in prefills)
+        backlog = min((p.in_flight_tokens(Side.PREFILL) for p in prefills), default=0)
+        return (backlog > 0 and decode.local_prefill_tokens <= backlog
+                and decode.local_prefill_tokens + uncached <= cap)
 
     def decide(self, body: ClientBody, hits: dict[str, int] | None = None,
                avoid: tuple[Instance, ...] = ()) -> Decision:

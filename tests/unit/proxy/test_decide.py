@@ -139,9 +139,9 @@ def test_an_idle_decode_takes_cold_prompts_while_prefill_is_backlogged() -> None
                 await asyncio.sleep(s)
                 return await send(n)
 
-            # 1: prefill idle -> pd; 2: prefill holds 1000 >= 0 + 900 -> decode; 3: decode
-            # would hold 1800 > prefill's 1000 -> pd; 4: 900 + 500 <= 2000 -> decode; 5: past
-            # idle_decode_tokens (1400 + 400 > 1500) -> pd
+            # 1: prefill idle -> pd; 2: decode's queue 0 <= prefill's 1000 -> decode; 3: past
+            # idle_decode_tokens (900 + 900 > 1500) -> pd; 4: 900 <= 1900, 900 + 500 <= 1500
+            # -> decode; 5: 1400 + 400 > 1500 -> pd
             got = await asyncio.gather(send(1000), later(0.1, 900), later(0.2, 900),
                                        later(0.3, 500), later(0.4, 400))
             assert got == ["pd", "decode_only:prefill_busy", "pd", "decode_only:prefill_busy",
@@ -243,10 +243,18 @@ def test_prefill_legs_queue_the_exact_prompt_length_once_the_proxy_tokenizes() -
                 await r.read()
                 return r.headers["X-Kvdisagg-Handoff"]
 
+            env.decode[0].delay_s = 0.5  # decode computing a prompt
+            (d,) = serving.registry.candidates(Side.DECODE)
             first = asyncio.ensure_future(send(300))  # 900 tokens (estimate 75)
             await until(lambda: p.in_flight(Side.PREFILL) == 1, "the prefill leg in flight")
             assert p.in_flight_tokens(Side.PREFILL) == 900
-            assert await send(290) == "decode_only:prefill_busy"  # 870 <= 900 queued
+            second = asyncio.ensure_future(send(290))  # decode's queue 0 <= prefill's 900
+            await until(lambda: d.local_prefills == 1, "decode computing the second")
+            assert d.local_prefill_tokens == 870
+            # 300 tokens: decode's queue (870) is still no longer than prefill's (900, where
+            # the estimate would say 75): it starts on decode no later than on prefill.
+            assert await send(100) == "decode_only:prefill_busy"
+            assert await second == "decode_only:prefill_busy"
             assert await first == "pd"
-            assert p.in_flight_tokens(Side.PREFILL) == 0
+            assert p.in_flight_tokens(Side.PREFILL) == 0 and d.local_prefill_tokens == 0
     run(t())
