@@ -19,6 +19,11 @@ PROTOCOL_VERSION history:
      and KV checksums: a Read may ask for one (``checksum``: the algorithm, integrity.py); prefill
      then follows the bytes with a Checksum frame of what it sent, decode compares it with what
      landed in its blocks and says in Done whether it matched (``checksum_ok``).
+  5: early handoffs: the proxy may send the decode leg together with the prefill leg, naming
+     the handoff itself (``EarlyHandoff`` in prefill's request, ``early`` in decode's params,
+     whose block ids and token count are then unknown); decode's Read names blocks by position
+     (``first_block``) and waits at prefill until the handoff is offered; the grant (Reply)
+     names prefill's blocks. Tokens are URL-safe ASCII.
 """
 
 from __future__ import annotations
@@ -34,11 +39,14 @@ import msgspec
 from kvdisagg.errors import TransferFailed
 from kvdisagg.layout import KvGeometry
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 NAMESPACE = "kvdisagg"
 MAX_FRAME_BYTES = 1 << 20  # control frames only; KV bytes travel outside frames
 
 BlockId = Annotated[int, msgspec.Meta(ge=0)]
+Token = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,128}$")]
+"""A handoff's capability (secrets.token_urlsafe); ASCII, so hmac.compare_digest takes it."""
+HandoffId = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]  # 0: no side channel (store transports)
 
 
@@ -48,7 +56,7 @@ class HandoffExtras(msgspec.Struct, frozen=True, kw_only=True):
     version: int = PROTOCOL_VERSION
     transport: str
     kv_layout: str
-    token: str
+    token: Token
     lease_expires: float
     lease_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 30.0
     """Lease length: decode renews each held handoff well within it."""
@@ -56,6 +64,19 @@ class HandoffExtras(msgspec.Struct, frozen=True, kw_only=True):
     """Side-channel port per prefill rank, PP-major (``pp_rank * tp_size + tp_rank``)."""
     stages: list[Annotated[int, msgspec.Meta(ge=0)]] = msgspec.field(default_factory=lambda: [0])
     """First layer of each of prefill's PP stages (one entry: no PP)."""
+    early: bool = False
+    """Sent to decode before prefill computed the handoff (the proxy's early dispatch): the
+    block ids and token count are not known yet; decode reads the handoff by position."""
+
+
+EARLY_PARAMS_KEY = "kvdisagg_early"
+"""Key of a prefill request's ``kv_transfer_params`` naming the handoff it will offer (its id
+and token chosen by the proxy, which sent the decode leg with them already)."""
+
+
+class EarlyHandoff(msgspec.Struct, frozen=True, kw_only=True):
+    handoff_id: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{16,128}$")]
+    token: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{16,128}$")]
 
 
 SLO_PARAMS_KEY = "kvdisagg_slo"
@@ -130,10 +151,13 @@ class Read(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     ``dst_block_ids`` (decode's blocks, same length) only shape the ranges both sides post;
     prefill never addresses memory with them."""
 
-    handoff_id: str
-    token: str
+    handoff_id: HandoffId
+    token: Token
     block_ids: list[BlockId]
     dst_block_ids: list[BlockId]
+    first_block: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    """>= 0: an early Read (``block_ids`` empty): the handoff's blocks from this position
+    on, as many as ``dst_block_ids``; prefill names them in its grant."""
     checksum: str = ""
     """Follow the bytes with a Checksum frame of this algorithm ('' = none)."""
     layers: list[Annotated[int, msgspec.Meta(ge=0)]] = []
@@ -159,8 +183,8 @@ class Done(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """Decode -> prefill, one-way, after every pull (or alone, to release without reading):
     prefill unpins and frees the handoff's blocks."""
 
-    handoff_id: str
-    token: str
+    handoff_id: HandoffId
+    token: Token
     ok: bool = True
     checksum_ok: bool = True
     """False: the bytes of this pull failed decode's checksum (prefill logs it, and frees the
@@ -171,8 +195,8 @@ class Done(msgspec.Struct, tag=True, frozen=True, kw_only=True):
 
 
 class HandoffRef(msgspec.Struct, array_like=True, frozen=True):
-    handoff_id: str
-    token: str
+    handoff_id: HandoffId
+    token: Token
 
 
 class Renew(msgspec.Struct, tag=True, frozen=True, kw_only=True):
@@ -190,6 +214,8 @@ class Reply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     kv_layout: str = ""
     nbytes: int = 0
     info: dict[str, Any] = {}
+    block_ids: list[BlockId] = []
+    """An early Read's grant: prefill's blocks it sends (in the Read's order)."""
 
 
 Message = Hello | Read | Checksum | Done | Renew | Reply | Wait

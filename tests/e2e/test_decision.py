@@ -5,7 +5,9 @@ plain instance as the baseline.
 - a long fresh prompt is disaggregated: KV moves (decode's pull counter), tokens identical;
 - its follow-up (the prompt, the answer, a little more) is served by decode alone from its
   prefix cache: no pull, the index's predicted hit is what vLLM reports, tokens identical;
-- a short prompt is served by decode alone.
+- a short prompt is served by decode alone;
+- with the prefill idle, a disaggregated request's decode leg goes out with its prefill leg
+  (early dispatch): the KV is pulled once, by position, tokens identical, handoffs freed.
 """
 
 from __future__ import annotations
@@ -22,7 +24,14 @@ import pytest
 
 from kvdisagg.local.servers import free_port
 
-from .conftest import LOG_DIR, metric, post, prompt_ids
+from .conftest import (
+    LOG_DIR,
+    completion_tokens,
+    metric,
+    post,
+    prompt_ids,
+    wait_handoffs_freed,
+)
 
 pytestmark = pytest.mark.e2e
 GEN = {"model": "tiny", "temperature": 0, "max_tokens": 16, "ignore_eos": True,
@@ -133,3 +142,24 @@ def test_chat_follow_up_turn_stays_on_decode(fleet, deciding):
     status, ref = post(fleet.reference.base_url + "/v1/chat/completions",
                        {**body, "messages": messages})
     assert got == ref["choices"][0]["message"]["content"]
+
+
+def test_early_handoffs_pull_once_by_position_and_match_the_plain_instance(fleet, deciding):
+    """Sequential long fresh prompts find the prefill idle: the deciding proxy sends each
+    decode leg with its prefill leg; decode's Read waits at prefill for the handoff."""
+    d = fleet.decode.base_url
+    complete(deciding, prompt_ids(700, seed=780))  # a handoff: the prefill's side channel known
+    opened = metric(deciding, "kvdisagg_proxy_early_handoffs_total", outcome="opened")
+    fell_back = metric(deciding, "kvdisagg_proxy_early_handoffs_total", outcome="fell_back")
+    pulls = metric(d, "vllm:kvdisagg_pulls_total")
+    for i, stream in enumerate((False, True, False)):
+        prompt = prompt_ids(900 + 50 * i, seed=781 + i)
+        got = completion_tokens(deciding, {**GEN, "prompt": prompt, "stream": stream})
+        assert got == ("ok", complete(fleet.reference.base_url, prompt)[0])
+    assert metric(deciding, "kvdisagg_proxy_early_handoffs_total", outcome="opened") \
+        - opened == 3
+    assert metric(deciding, "kvdisagg_proxy_early_handoffs_total",
+                  outcome="fell_back") == fell_back
+    assert settled(d, "vllm:kvdisagg_pulls_total") - pulls == 3  # the KV really moved, once
+    offered, freed = wait_handoffs_freed(fleet.prefill.base_url)
+    assert offered == freed  # nothing held at prefill

@@ -30,6 +30,7 @@ class FakeVllm:
         self.status = 200  # answer every generation request with this status
         self.delay_s = 0.0  # before answering
         self.with_kv = True  # prefill answers carry kv_transfer_params
+        self.full_kv = False  # ... with every field DisaggConnector's have (else NIXL-like)
         self.aborting = False  # answer 200 finish_reason "abort", as a vLLM shutting down does
         self.die_after: int | None = None  # decode: close the connection after N events
         # decode: after N events, end the stream as vLLM does when its engine dies (an error
@@ -50,10 +51,16 @@ class FakeVllm:
         self._ids = itertools.count()
 
     def kv_params(self) -> dict[str, Any]:
-        return {"do_remote_decode": False, "do_remote_prefill": True,
-                "remote_engine_id": f"engine-{self.name}", "remote_request_id": "r",
-                "remote_block_ids": [1, 2, 3], "remote_host": "127.0.0.1",
-                "remote_port": 5600, "tp_size": 1}
+        params: dict[str, Any] = {
+            "do_remote_decode": False, "do_remote_prefill": True,
+            "remote_engine_id": f"engine-{self.name}", "remote_request_id": "r",
+            "remote_block_ids": [1, 2, 3], "remote_host": "127.0.0.1", "remote_port": 5600,
+            "tp_size": 1}
+        if self.full_kv:  # what DisaggConnector returns (early handoffs build on them)
+            params |= {"remote_num_tokens": 40, "kvdisagg": {
+                "transport": "tcp", "kv_layout": "fake", "token": "faketoken",
+                "lease_expires": 0.0, "lease_s": 30.0, "ports": [5600]}}
+        return params
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         self.active += 1

@@ -216,6 +216,12 @@ def main() -> int:
                 transport.offer(Offer(cmd["handoff_id"], cmd["token"], tuple(cmd["block_ids"]),
                                       cmd.get("lease_s", 30.0), tuple(cmd.get("prompt", ()))))
                 _say({"ok": True})
+            case "expect":  # an early handoff's request reached the engine
+                transport.expect(cmd["handoff_id"], cmd["token"])
+                _say({"ok": True})
+            case "forget":
+                transport.forget(cmd["handoff_id"], cmd["why"])
+                _say({"ok": True})
             case "scribble":
                 for tensor in caches.values():
                     tensor[cmd["block_ids"]] = -1.0

@@ -27,6 +27,7 @@ class SendSpec:
     prompt_token_ids: tuple[int, ...] = ()  # only for store transports (lmcache)
     stage_from: tuple[int, ...] = ()
     trace: str = ""  # traceparent of the request's prefill leg (tracing.py)
+    handoff_id: str = ""  # an early handoff's id, named by the proxy ('': ``req_id``)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class LoadSpec:
     token: str = ""
     transport: str = ""
     kv_layout: str = ""
+    early: bool = False  # read by position before prefill offered it (transport.Fetch)
     remote_block_ids: tuple[int, ...] = ()
     local_block_ids: tuple[int, ...] = ()
     prompt_token_ids: tuple[int, ...] = ()  # only for store transports (lmcache)
@@ -60,6 +62,10 @@ class LoadSpec:
 class DisaggMetadata(KVConnectorMetadata):
     sends: list[SendSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
+    expects: list[tuple[str, str]] = field(default_factory=list)
+    """Prefill: early handoffs (id, token) whose requests reached the engine."""
+    forgets: list[tuple[str, str]] = field(default_factory=list)
+    """Prefill: expected early handoffs (id, why) that will not be offered."""
 
 
 @dataclass(frozen=True)

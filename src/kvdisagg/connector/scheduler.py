@@ -49,7 +49,7 @@ from kvdisagg.connector.metadata import (
 )
 from kvdisagg.connector.retire import Retirement
 from kvdisagg.connector.stats import DisaggStats
-from kvdisagg.protocol import RemotePrefill, handoff_params
+from kvdisagg.protocol import EARLY_PARAMS_KEY, EarlyHandoff, RemotePrefill, handoff_params
 from kvdisagg.sharding import Shape, check, plan
 from kvdisagg.tracing import TRACE_PARAMS_KEY, Tracer, end, traceparent_of, valid_traceparent
 
@@ -129,6 +129,9 @@ class DisaggScheduler:
         self._shared: dict[HandoffKey, _Shared] = {}
         self._sends: list[SendSpec] = []
         self._loads: list[LoadSpec] = []
+        self._early: dict[str, EarlyHandoff] = {}  # prefill requests naming their handoff
+        self._expects: list[tuple[str, str]] = []
+        self._forgets: list[tuple[str, str]] = []
         self.leases: LeaseKeeper | None = None  # decode: keeps held handoffs alive
         self._renewed_seen = 0
         self._stats = DisaggStats()  # the scheduler's own, until vLLM takes them
@@ -166,8 +169,18 @@ class DisaggScheduler:
 
     def on_new_request(self, request: Request) -> None:
         """Decode: convert the request's handoff params once and hold the handoff from now on
-        (renewed while it waits)."""
+        (renewed while it waits). Prefill: a request naming its early handoff has the workers
+        expect it (an early Read waits for it meanwhile)."""
         params = request.kv_transfer_params
+        if self.is_producer and params and (early := params.get(EARLY_PARAMS_KEY)):
+            try:
+                named = msgspec.convert(early, EarlyHandoff)
+            except msgspec.ValidationError as exc:  # served as an ordinary handoff
+                logger.warning("kvdisagg: request %s: ignoring invalid %s: %s",
+                               request.request_id, EARLY_PARAMS_KEY, exc)
+            else:
+                self._early[request.request_id] = named
+                self._expects.append((named.handoff_id, named.token))
         if not self.is_consumer or not (params and params.get("do_remote_prefill")):
             return
         incoming = self._incoming[request.request_id] = _Incoming.of(params)
@@ -220,7 +233,8 @@ class DisaggScheduler:
     def has_pending_work(self) -> bool:
         """Offers not yet handed to the workers need one more step, even with no request; while
         retiring, so do staged handoffs until every worker freed them (retire.py)."""
-        return bool(self._sends) or self.retirement.holds(len(self._staged))
+        return (bool(self._sends or self._expects or self._forgets)
+                or self.retirement.holds(len(self._staged)))
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
@@ -236,7 +250,7 @@ class DisaggScheduler:
             # Never claim past what prefill computed (a handoff of another, shorter prompt);
             # unusable params are refused when the load is planned.
             end = request.num_prompt_tokens
-            if incoming.handoff is not None:
+            if incoming.handoff is not None and not incoming.handoff.kvdisagg.early:
                 end = min(end, incoming.handoff.remote_num_tokens)
             count = end - num_computed_tokens
             return (count, True) if count > 0 else (0, False)
@@ -330,22 +344,24 @@ class DisaggScheduler:
         if why := check(prefill, self.shape, kv_heads=self.kv_heads, num_layers=self.num_layers):
             return LoadSpec(req_id=req_id, error=f"cannot pull from prefill {prefill.describe()} "
                             f"into decode {self.shape.describe()}: {why}")
-        if len(p.remote_block_ids) < first + len(local):
+        early = p.kvdisagg.early  # prefill names its blocks when it grants the Read
+        if not early and len(p.remote_block_ids) < first + len(local):
             return LoadSpec(req_id=req_id, error=f"prefill offers {len(p.remote_block_ids)} "
                             f"blocks, decode needs {first + len(local)}")
-        remote = p.remote_block_ids[first:first + len(local)]
+        remote = () if early else p.remote_block_ids[first:first + len(local)]
         return LoadSpec(req_id=req_id, host=p.remote_host, ports=tuple(p.kvdisagg.ports),
                         prefill=prefill,
                         parts=plan(prefill, self.shape, self.kv_heads, self.num_layers),
                         handoff_id=p.remote_request_id, token=p.kvdisagg.token,
-                        transport=p.kvdisagg.transport,
+                        transport=p.kvdisagg.transport, early=early,
                         kv_layout=p.kvdisagg.kv_layout, remote_block_ids=tuple(remote),
                         local_block_ids=tuple(local), first_block=first,
                         release_only=not local)
 
     def build_connector_meta(self) -> DisaggMetadata:
-        meta = DisaggMetadata(sends=self._sends, loads=self._loads)
-        self._sends, self._loads = [], []
+        meta = DisaggMetadata(sends=self._sends, loads=self._loads, expects=self._expects,
+                              forgets=self._forgets)
+        self._sends, self._loads, self._expects, self._forgets = [], [], [], []
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]
@@ -374,10 +390,15 @@ class DisaggScheduler:
         if (self.is_consumer and self.keyed_by_tokens and finished and block_ids
                 and self.config.lmcache_store_decoded):
             return self._store_decoded(request, block_ids), None
+        early = self._early.pop(request.request_id, None)
         if (not self.is_producer or not params or not params.get("do_remote_decode")
                 or not block_ids or not finished):
+            if early is not None:  # the decode reading it early gets a refusal, not a wait
+                self._forgets.append((early.handoff_id, f"not offered: prefill's request "
+                                      f"ended {request.status.name}"))
             return False, None
-        token = secrets.token_urlsafe(16)
+        token = early.token if early is not None else secrets.token_urlsafe(16)
+        handoff_id = early.handoff_id if early is not None else request.request_id
         self.retirement.offered()
         tokens = tuple(request.prompt_token_ids) if self.keyed_by_tokens else ()
         stage_from: tuple[int, ...]
@@ -388,9 +409,10 @@ class DisaggScheduler:
             self._staged[request.request_id] = offered
         self._sends.append(SendSpec(request.request_id, token, offered,
                                     self.config.lease_seconds, tokens, stage_from,
-                                    valid_traceparent(params.get(TRACE_PARAMS_KEY))))
+                                    valid_traceparent(params.get(TRACE_PARAMS_KEY)),
+                                    handoff_id if early is not None else ""))
         return not stage_from, handoff_params(
-            engine_id=self.engine_id, request_id=request.request_id, block_ids=list(offered),
+            engine_id=self.engine_id, request_id=handoff_id, block_ids=list(offered),
             host=self.config.side_channel_host, ports=self.ports,
             num_tokens=request.num_computed_tokens, transport=self.transport_name,
             kv_layout=self.kv_layout, token=token, lease_s=self.config.lease_seconds,

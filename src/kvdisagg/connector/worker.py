@@ -53,7 +53,9 @@ class DisaggWorker:
         self.port = 0
         self.regions: list[LayerRegion] = []
         self.stats = DisaggStats()
-        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvdisagg-pull",
+        # An early pull waits on its thread while prefill computes (the proxy sends them only
+        # to an idle prefill, so a few at a time): room for those beside ready pulls.
+        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvdisagg-pull",
                                         initializer=unbind_current_thread)
         self._inflight: dict[str, Future[int]] = {}
         self._offered: DisaggMetadata | None = None  # the step's metadata already offered
@@ -63,6 +65,8 @@ class DisaggWorker:
         self._finished_seen: set[str] = set()  # finished in vLLM, handoff still held
         self._staged_freed: set[str] = set()  # for the next worker metadata
         self._expired_seen = 0
+        self._req_of: dict[str, str] = {}  # early handoff id -> its vLLM request id
+        self._released_early: set[str] = set()  # offers refused: free their blocks at once
         self._lock = threading.Lock()
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -113,6 +117,10 @@ class DisaggWorker:
             return
         self._offered = meta
         self.transport.step(True)  # a step began: Reads waiting for their handoff see progress
+        for handoff_id, token in meta.expects:
+            self.transport.expect(handoff_id, token)
+        for handoff_id, why in meta.forgets:
+            self.transport.forget(handoff_id, why)
         for send in meta.sends:
             if send.stage_from:
                 start_ns = now_ns()
@@ -121,9 +129,14 @@ class DisaggWorker:
                 self._observe("stage", (end_ns - start_ns) / 1e9)
                 self.tracer.record("kvdisagg.stage", send.trace, start_ns, end_ns,
                                    {"kvdisagg.blocks": len(send.block_ids)})
+            handoff_id = send.handoff_id or send.req_id
+            if not self.transport.offer(Offer(handoff_id, send.token, send.block_ids,
+                                              send.lease_s, send.prompt_token_ids, send.trace)):
+                handoff_id = send.req_id  # refused: freed at once, as if released
+                self._released_early.add(handoff_id)
+            elif send.handoff_id:
+                self._req_of[handoff_id] = send.req_id
             (self._staged if send.stage_from else self._paged).add(send.req_id)
-            self.transport.offer(Offer(send.req_id, send.token, send.block_ids, send.lease_s,
-                                       send.prompt_token_ids, send.trace))
         if meta.sends and self.is_producer:
             with self._lock:
                 self.stats.add(handoffs_offered=len(meta.sends),
@@ -169,7 +182,7 @@ class DisaggWorker:
                     kv_layout=load.kv_layout, remote_block_ids=load.remote_block_ids,
                     local_block_ids=load.local_block_ids,
                     prompt_token_ids=load.prompt_token_ids, first_block=load.first_block,
-                    part=part, prefill=load.prefill),
+                    part=part, prefill=load.prefill, early=load.early),
                     self.config.transfer_timeout_seconds, timings[-1])
         except Exception as exc:
             with self._lock:
@@ -216,7 +229,9 @@ class DisaggWorker:
         """(finished_sending, finished_recving, failed_recving). Never blocks. Ends the step."""
         if self._offered is not None:
             self.transport.step(False)
-        released = self.transport.take_released()
+        released = {self._req_of.pop(h, h) for h in self.transport.take_released()}
+        released |= self._released_early
+        self._released_early = set()
         expired = self.transport.expired_unread() - self._expired_seen
         if (released and self.is_producer) or expired:
             with self._lock:

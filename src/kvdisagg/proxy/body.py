@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from kvdisagg.errors import BodyError
-from kvdisagg.protocol import SLO_PARAMS_KEY, RequestSlo
+from kvdisagg.protocol import EARLY_PARAMS_KEY, SLO_PARAMS_KEY, RequestSlo
 from kvdisagg.proxy.policies import RouteRequest
 from kvdisagg.tracing import TRACE_PARAMS_KEY
 
@@ -152,9 +152,11 @@ def _client_slo(params: Any) -> dict[str, Any] | None:
                         f'{{"{SLO_PARAMS_KEY}": {{"ttft_s": 0.5}}}})') from None
 
 
-def prefill_body(body: ClientBody, trace: str = "") -> bytes:
+def prefill_body(body: ClientBody, trace: str = "",
+                 early: dict[str, str] | None = None) -> bytes:
     """One token, never streamed, with ``do_remote_decode`` so prefill keeps the KV;
-    ``trace``: the prefill leg's traceparent, for the connector's spans."""
+    ``trace``: the prefill leg's traceparent, for the connector's spans; ``early``: the
+    handoff's id and token when decode's leg went out already (early.py)."""
     out = dict(body.fields)
     out["stream"] = False
     out["max_tokens"] = 1
@@ -173,6 +175,8 @@ def prefill_body(body: ClientBody, trace: str = "") -> bytes:
         params = {**params, "prompt_token_ids": body.forwarded_ids}
     if trace:
         params = {**params, TRACE_PARAMS_KEY: trace}
+    if early is not None:
+        params = {**params, EARLY_PARAMS_KEY: early}
     out["kv_transfer_params"] = params
     return _encode(out)
 

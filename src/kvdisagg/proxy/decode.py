@@ -77,7 +77,9 @@ class Opened(NamedTuple):
     pre: Prefilled  # the handoff this leg carries (the last one, after re-prefills)
 
 
-class _Failed(NamedTuple):
+class Failed(NamedTuple):
+    """A decode leg that failed before its first byte, and what a retry must do."""
+
     failure: LegFailure
     answered: bool  # the instance answered over HTTP: alive, may take a retry
     reprefill: bool  # the handoff may be gone: prefill again before retrying
@@ -100,12 +102,12 @@ async def open_decode(s: Serving, ctx: RequestCtx, pre: Prefilled,
     tried: list[Instance] = []
     answered: list[Instance] = []
     failures: list[LegFailure] = []
-    for attempt in range(cfg.retry.decode_attempts):
+    for tries in range(cfg.retry.decode_attempts):
         if deadline - _now() <= 0:
             break
         # The decision's pick, unless it stopped being routable meanwhile (drained, removed,
         # unhealthy while the prefill leg ran).
-        if (attempt == 0 and first is not None and first.instance is not None
+        if (tries == 0 and first is not None and first.instance is not None
                 and first.instance in reg.candidates(Side.DECODE)):
             sel = first
         else:
@@ -120,23 +122,23 @@ async def open_decode(s: Serving, ctx: RequestCtx, pre: Prefilled,
         if inst is None:
             break
         assert isinstance(inst, Instance)
-        if (sel.verdict is Verdict.SLO_MISS and attempt == 0
+        if (sel.verdict is Verdict.SLO_MISS and tries == 0
                 and cfg.slo.admission == Admission.SHED):
             return s.reject(429, "slo_tpot", f"no decode instance is predicted to meet the "
                             f"TPOT SLO (best {inst.url}: {sel.predicted_s:.4f}s > "
                             f"{cfg.slo.tpot_s}s)", "rate_limit_exceeded")
         if tried:
             tried[-1].retries[Side.DECODE] += 1
-        res = await _attempt(s, ctx, inst, pre, deadline)
+        res = await attempt(s, ctx, inst, pre, deadline)
         if isinstance(res, Opened):
             return res
         failures.append(res.failure)
         tried.append(inst)
         if res.answered:
             answered.append(inst)
-        log.warning("request %s: decode attempt %d/%d failed: %s", ctx.rid, attempt + 1,
+        log.warning("request %s: decode attempt %d/%d failed: %s", ctx.rid, tries + 1,
                     cfg.retry.decode_attempts, res.failure.message)
-        if (res.reprefill and pre.kv is not None and attempt + 1 < cfg.retry.decode_attempts
+        if (res.reprefill and pre.kv is not None and tries + 1 < cfg.retry.decode_attempts
                 and deadline > _now()):
             again = await prefill(s, ctx)
             if isinstance(again, web.Response):
@@ -150,8 +152,9 @@ async def open_decode(s: Serving, ctx: RequestCtx, pre: Prefilled,
                           "upstream_error")
 
 
-async def _attempt(s: Serving, ctx: RequestCtx, inst: Instance, pre: Prefilled,
-                   deadline: float) -> Opened | _Failed:
+async def attempt(s: Serving, ctx: RequestCtx, inst: Instance, pre: Prefilled,
+                  deadline: float) -> Opened | Failed:
+    """One decode leg until its first byte (its first event when streamed)."""
     t = s.cfg.timeouts
     span = s.tracer.start("decode_leg", traceparent_of(ctx.root), attributes={
         "kvdisagg.instance": inst.url, "kvdisagg.mode": pre.header}) if ctx.root else None
@@ -170,7 +173,7 @@ async def _attempt(s: Serving, ctx: RequestCtx, inst: Instance, pre: Prefilled,
     except UpstreamError as exc:
         leg.fail(kind_of(exc), outcome_of(exc))
         # A refused connection: decode never saw the handoff, which can be used again.
-        return _Failed(LegFailure.of(exc, f"decode {inst.url}: {exc}"), False, exc.sent)
+        return Failed(LegFailure.of(exc, f"decode {inst.url}: {exc}"), False, exc.sent)
     except asyncio.CancelledError:
         leg.close(Outcome.CANCELLED, "cancelled")
         raise
@@ -185,7 +188,7 @@ async def _attempt(s: Serving, ctx: RequestCtx, inst: Instance, pre: Prefilled,
             neutral = resp.status == 500 and pre.kv is not None
             leg.fail(FailKind.STATUS, Outcome.NEUTRAL if neutral
                      else status_outcome(resp.status))
-            return _Failed(LegFailure(FailKind.STATUS, f"decode {inst.url} returned "
+            return Failed(LegFailure(FailKind.STATUS, f"decode {inst.url} returned "
                                       f"{resp.status}: {data[:300].decode('utf-8', 'replace')}",
                                       502), True, True)
         if not ctx.body.stream or not 200 <= resp.status < 300:
@@ -197,7 +200,7 @@ async def _attempt(s: Serving, ctx: RequestCtx, inst: Instance, pre: Prefilled,
             # requests so, before the probes see the instance retiring.
             resp.close()
             leg.fail(FailKind.ABORTED, Outcome.NEUTRAL)
-            return _Failed(LegFailure(FailKind.ABORTED, f"decode {inst.url} aborted the "
+            return Failed(LegFailure(FailKind.ABORTED, f"decode {inst.url} aborted the "
                                       "request (shutting down?)", 502), True, True)
         if ctx.body.stream and 200 <= resp.status < 300:
             if head is not None and (error := first_error(head)) is not None:
@@ -206,12 +209,12 @@ async def _attempt(s: Serving, ctx: RequestCtx, inst: Instance, pre: Prefilled,
                 # but not against this decode's breaker.
                 leg.fail(FailKind.ERROR_EVENT,
                          Outcome.BROKEN if pre.kv is None else Outcome.NEUTRAL)
-                return _Failed(LegFailure(
+                return Failed(LegFailure(
                     FailKind.ERROR_EVENT, f"decode {inst.url} answered with an error event: "
                     f"{error[:300].decode('utf-8', 'replace')}", 502), True, True)
     except UpstreamError as exc:
         leg.fail(kind_of(exc), outcome_of(exc))
-        return _Failed(LegFailure.of(exc, f"decode {inst.url} failed before the first "
+        return Failed(LegFailure.of(exc, f"decode {inst.url} failed before the first "
                                      f"byte: {exc}"), True, True)
     except BaseException:
         leg.close(Outcome.CANCELLED, "cancelled")

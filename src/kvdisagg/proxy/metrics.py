@@ -71,6 +71,7 @@ class Metrics:
         self.missing_kv: dict[str, int] = {}
         self.routes: dict[tuple[str, str], int] = {}
         self.migrations: dict[str, int] = {}
+        self.early: dict[str, int] = {}
         self.predicted_hits: dict[str, int] = {}
         # the cache index (app.py sets it), for its per-instance gauges
         self.cache: CacheIndex | None = None
@@ -108,6 +109,11 @@ class Metrics:
         decode alone (``decode_only``), and why."""
         k = (route, reason)
         self.routes[k] = self.routes.get(k, 0) + 1
+
+    def early_handoff(self, outcome: str) -> None:
+        """A decode leg sent together with its prefill leg (early.py): ``opened`` (decode
+        answered), or ``fell_back`` (it failed: served the ordinary way)."""
+        self.early[outcome] = self.early.get(outcome, 0) + 1
 
     def predicted_hit(self, url: str, tokens: int) -> None:
         """Prompt tokens the index predicted ``url`` would reuse for a request sent there;
@@ -208,6 +214,11 @@ class Metrics:
             f"(ok: moved to another decode).\n# TYPE {P}migrations_total counter\n")
         for outcome, n in sorted(self.migrations.items()):
             add(f"{P}migrations_total{_labels(outcome=outcome)} {n}\n")
+        add(f"# HELP {P}early_handoffs_total Decode legs sent together with their prefill "
+            f"leg, by outcome (opened; fell_back: served the ordinary way).\n"
+            f"# TYPE {P}early_handoffs_total counter\n")
+        for outcome, n in sorted(self.early.items()):
+            add(f"{P}early_handoffs_total{_labels(outcome=outcome)} {n}\n")
         add(f"# HELP {P}predicted_cached_tokens_total Prompt tokens the cache index "
             f"predicted each decode would reuse, over the requests sent to it (compare with "
             f"its vllm:prefix_cache_hits_total).\n"

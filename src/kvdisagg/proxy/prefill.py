@@ -88,7 +88,7 @@ async def prefill(s: Serving, ctx: RequestCtx) -> Prefilled | web.Response:
                 return Prefilled(None, "colocate")
         if tried:
             tried[-1].retries[Side.PREFILL] += 1
-        res = await _leg(s, ctx, inst)
+        res = await prefill_leg(s, ctx, inst)
         if isinstance(res, bytes):
             return Prefilled(res)
         if res.client_error is not None:
@@ -111,12 +111,14 @@ async def prefill(s: Serving, ctx: RequestCtx) -> Prefilled | web.Response:
                           "upstream_error")
 
 
-async def _leg(s: Serving, ctx: RequestCtx, inst: Instance) -> bytes | LegFailure:
-    """kv_transfer_params (raw JSON) from one prefill instance, or why not."""
+async def prefill_leg(s: Serving, ctx: RequestCtx, inst: Instance,
+                      early: dict[str, str] | None = None) -> bytes | LegFailure:
+    """kv_transfer_params (raw JSON) from one prefill instance, or why not. ``early``: the
+    handoff's id and token, decode's leg having gone out already (early.py)."""
     t = s.cfg.timeouts
     span = s.tracer.start("prefill_leg", traceparent_of(ctx.root),
                           attributes={"kvdisagg.instance": inst.url}) if ctx.root else None
-    pbody = bodies.prefill_body(ctx.body, traceparent_of(span))
+    pbody = bodies.prefill_body(ctx.body, traceparent_of(span), early)
     start = _now()
     leg = LegScope(inst, Side.PREFILL, ctx.body.route.prompt_tokens, s.metrics, span)
     try:
@@ -145,6 +147,7 @@ async def _leg(s: Serving, ctx: RequestCtx, inst: Instance) -> bytes | LegFailur
                               "with a kv_producer KV connector?)", 502)
         elapsed = _now() - start
         inst.observe_prefill(elapsed, ctx.body.route.prompt_tokens)
+        inst.handoff_params = kv  # what an early handoff from it will look like (early.py)
         s.metrics.handoff.observe(elapsed)
         leg.close(Outcome.OK)
         return kv

@@ -118,6 +118,8 @@ class Instance:
         """Decode legs computing their prompt here (sent, no first byte yet; legs.LegScope)."""
         self.local_prefill_tokens = 0
         """The prompt tokens those legs compute (predicted)."""
+        self.handoff_params: bytes | None = None
+        """Prefill: the kv_transfer_params of its last handoff (early.py builds from them)."""
         self.idle = asyncio.Event()
         self.idle.set()
         self.pool = Pool(self.url)

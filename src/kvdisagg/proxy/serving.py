@@ -27,8 +27,9 @@ from aiohttp import web
 from kvdisagg.errors import BodyError
 from kvdisagg.proxy import body as bodies
 from kvdisagg.proxy.config import ProxyConfig
-from kvdisagg.proxy.decide import CacheView, Decider, Route
+from kvdisagg.proxy.decide import CacheView, Decider, Decision, Route
 from kvdisagg.proxy.decode import Opened, finish_body, open_decode, relay_stream
+from kvdisagg.proxy.early import open_early
 from kvdisagg.proxy.metrics import Metrics
 from kvdisagg.proxy.policies import Policy
 from kvdisagg.proxy.prefill import Prefilled, prefill
@@ -85,6 +86,7 @@ class Serving:
         # Unique request ids without uuid4 per request: a random per-process prefix + a counter.
         self._rid_prefix = f"kvd-{uuid.uuid4().hex[:12]}-"
         self._rid_seq = itertools.count(1)
+        self._tasks: set[asyncio.Future[Any]] = set()
 
     def request_id(self, request: web.Request) -> str:
         """The client's ``X-Request-Id`` when it is sane, else a new unique one."""
@@ -195,16 +197,29 @@ class Serving:
                                      "kvdisagg.cached_tokens": decision.cached_tokens,
                                      "kvdisagg.uncached_tokens": decision.uncached_tokens})
         if decision.route is Route.PD:
+            if not avoid and (early := await open_early(self, ctx, decision)) is not None:
+                if isinstance(early, Opened):
+                    self._count(decision, Prefilled(early.pre.kv))
+                return early
             pre = await prefill(self, ctx)
             if isinstance(pre, web.Response):
                 return pre
         else:
             pre = Prefilled(None, decision.reason, decision.uncached_tokens)
+        self._count(decision, pre)
+        return await open_decode(self, ctx, pre, decision.decode, avoid)
+
+    def _count(self, decision: Decision, pre: Prefilled) -> None:
         self.metrics.routed("pd" if pre.kv is not None else "decode_only",
                             decision.reason if pre.kv is not None else pre.local_reason)
         if decision.cached_tokens and isinstance(decision.decode.instance, Instance):
             self.metrics.predicted_hit(decision.decode.instance.url, decision.cached_tokens)
-        return await open_decode(self, ctx, pre, decision.decode, avoid)
+
+    def keep(self, task: asyncio.Future[Any]) -> None:
+        """Hold a leg left to finish on its own (an early handoff's prefill leg) until done:
+        the loop keeps only weak references to tasks."""
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def token_ids(self, body: bodies.ClientBody) -> list[int] | None:
         """The prompt's token ids when they matter: sent by the client, or worked out (the

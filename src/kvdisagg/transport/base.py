@@ -62,6 +62,9 @@ class Fetch:
     first_block: int = 0
     part: Part | None = None
     prefill: Shape | None = None
+    early: bool = False
+    """Sent before prefill computed the handoff: ``remote_block_ids`` is empty and prefill
+    serves its blocks from ``first_block`` on, once offered (handoffs.py)."""
 
 
 @dataclass
@@ -113,8 +116,18 @@ class Transport(Protocol):
         instance of parallelism ``shape`` (PP-major)."""
         ...
 
-    def offer(self, offer: Offer) -> None:
-        """Prefill: make an offer's blocks available to the decode that holds its token."""
+    def offer(self, offer: Offer) -> bool:
+        """Prefill: make an offer's blocks available to the decode that holds its token;
+        False if refused (its id is already held: nothing to free later)."""
+        ...
+
+    def expect(self, handoff_id: str, token: str) -> None:
+        """Prefill: an early handoff's request reached the engine (an early Read for it waits
+        until it is offered or forgotten). Store transports: nothing to do."""
+        ...
+
+    def forget(self, handoff_id: str, why: str) -> None:
+        """Prefill: an expected early handoff will not be offered; its Read is refused."""
         ...
 
     def fetch(self, fetch: Fetch, timeout_s: float, timing: PullTiming | None = None) -> int:

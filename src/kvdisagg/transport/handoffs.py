@@ -18,6 +18,14 @@ it waits for it as long as the engine makes progress (a step running, or one end
 IDLE_GRACE_S ago: an engine with an offer to make steps at once, so one idle that long has
 none), and at most until two more steps started without it; the worker reports its steps
 (``step``).
+
+An *early* handoff (the proxy sent the decode leg together with the prefill leg) is named by
+the proxy: its id and token come with the prefill request, and the scheduler tells the worker
+to ``expect`` it as soon as the request reaches the engine. Decode's Read comes before prefill
+has computed anything and names blocks by position (``first_block``), since nobody knows
+prefill's block ids yet. It waits as long as the handoff is expected (the request is in this
+engine: it ends in an offer or in ``forget``), and for an id not expected yet, while the
+prefill leg may still be on its way, ``early_grace_s``.
 """
 
 from __future__ import annotations
@@ -35,12 +43,14 @@ logger = logging.getLogger(__name__)
 KEEPALIVE_S = 1.0  # a Read waiting for its handoff tells decode it is alive this often
 IDLE_GRACE_S = 5.0  # an idle engine offers a handoff within this, or it is not coming
 TOMBSTONES = 4096  # ids freed recently: a late Read for one is refused at once, not after a wait
+_RELEASED_EARLY = "released by decode before prefill offered it"
 
 
 @dataclass
 class _Handoff:
     token: str
     block_ids: frozenset[int]
+    order: tuple[int, ...]  # the blocks in prompt order (reads by position)
     lease_s: float
     deadline: float
     readers: int = 0
@@ -59,6 +69,7 @@ class HandoffTable:
     _steps: int = 0  # engine steps started
     _in_step: bool = False
     _last_step: float = field(default_factory=time.monotonic)  # when a step last ended
+    _expected: dict[str, str] = field(default_factory=dict)  # early handoff id -> token
 
     def step(self, running: bool) -> None:
         """The engine started (``running``) or ended a step: Reads waiting for their
@@ -70,24 +81,54 @@ class HandoffTable:
             self._last_step = time.monotonic()
             self._cond.notify_all()
 
-    def add(self, req_id: str, token: str, block_ids: Sequence[int], lease_s: float) -> None:
+    def add(self, req_id: str, token: str, block_ids: Sequence[int], lease_s: float) -> bool:
+        """False (and nothing added) for an id already held: an early handoff's id comes from
+        the request, and a second request naming it must not replace the first's blocks."""
         with self._cond:
-            self._items[req_id] = _Handoff(token, frozenset(block_ids), lease_s,
-                                           time.monotonic() + lease_s)
+            if req_id in self._items:
+                logger.warning("kvdisagg: a second offer for handoff %s ignored", req_id)
+                return False
+            released = self._gone.get(req_id) == _RELEASED_EARLY
+            self._expected.pop(req_id, None)
+            self._gone.pop(req_id, None)
+            self._items[req_id] = _Handoff(token, frozenset(block_ids), tuple(block_ids),
+                                           lease_s, time.monotonic() + lease_s,
+                                           done=released)
             self._cond.notify_all()
+            return True
+
+    def expect(self, req_id: str, token: str) -> None:
+        """An early handoff's request reached the engine: its offer, or ``forget``, follows."""
+        with self._cond:
+            if req_id not in self._items and req_id not in self._gone:
+                self._expected[req_id] = token
+                self._cond.notify_all()
+
+    def forget(self, req_id: str, why: str) -> None:
+        """An expected handoff will not be offered (its request ended otherwise)."""
+        with self._cond:
+            if self._expected.pop(req_id, None) is not None:
+                self._tombstone(req_id, why)
+                self._cond.notify_all()
 
     def pin(self, req_id: str, token: str, block_ids: Sequence[int], wait_s: float,
-            keepalive: Callable[[], None] | None = None) -> str:
-        """Check a Read and pin the handoff; return '' if granted, else why not. While it
-        waits for the handoff, ``keepalive`` runs every KEEPALIVE_S (or a quarter of ``wait_s``,
-        decode's bound on silence too), outside the lock."""
+            keepalive: Callable[[], None] | None = None, first_block: int = -1,
+            count: int = 0, early_grace_s: float = 0.0) -> tuple[str, tuple[int, ...]]:
+        """Check a Read and pin the handoff; return ('', the blocks granted) or (why not, ()).
+        ``first_block`` >= 0: an early Read of ``count`` blocks by position (``block_ids``
+        unused). While it waits for the handoff, ``keepalive`` runs every KEEPALIVE_S (or a
+        quarter of ``wait_s``, decode's bound on silence too), outside the lock."""
         arrived, start = self._steps, time.monotonic()
         interval = min(KEEPALIVE_S, wait_s / 4) if wait_s > 0 else KEEPALIVE_S
         idle_s = min(wait_s, IDLE_GRACE_S)
+        early = first_block >= 0
 
         def settled() -> bool:
             if req_id in self._items or req_id in self._gone:
                 return True
+            if early:  # its request is in the engine, or its prefill leg on its way
+                return (req_id not in self._expected
+                        and time.monotonic() - start > early_grace_s)
             if self._steps >= arrived + 2:
                 return True  # two steps began since the Read: the offer is not coming
             idle_since = max(self._last_step, start)
@@ -96,28 +137,34 @@ class HandoffTable:
         while True:
             with self._cond:
                 if self._cond.wait_for(settled, timeout=interval):
-                    return self._pin(req_id, token, block_ids)
+                    return self._pin(req_id, token, block_ids, first_block, count)
             if keepalive is not None:
                 keepalive()
 
-    def _pin(self, req_id: str, token: str, block_ids: Sequence[int]) -> str:
+    def _pin(self, req_id: str, token: str, block_ids: Sequence[int], first_block: int,
+             count: int) -> tuple[str, tuple[int, ...]]:
         with self._cond:
             h = self._items.get(req_id)
             if h is None:
-                return f"handoff {req_id!r} {self._gone.get(req_id, 'unknown')}"
+                return f"handoff {req_id!r} {self._gone.get(req_id, 'unknown')}", ()
             if not hmac.compare_digest(h.token, token):
-                return f"wrong token for handoff {req_id!r}"
+                return f"wrong token for handoff {req_id!r}", ()
             if h.done:
-                return f"handoff {req_id!r} already released"
+                return f"handoff {req_id!r} already released", ()
+            if first_block >= 0:
+                if first_block + count > len(h.order):
+                    return (f"blocks {first_block}..{first_block + count - 1} asked of "
+                            f"handoff {req_id!r}, which holds {len(h.order)}"), ()
+                block_ids = h.order[first_block:first_block + count]
             outside = set(block_ids) - h.block_ids
             if outside:
-                return f"blocks {sorted(outside)[:8]} are not part of handoff {req_id!r}"
+                return f"blocks {sorted(outside)[:8]} are not part of handoff {req_id!r}", ()
             # Past its deadline but not yet freed: the blocks are intact (nothing frees a
             # pinned handoff), so a late Read is served; on a starved host the Renew that
             # would have kept it alive may simply not have been read yet.
             h.deadline = max(h.deadline, time.monotonic() + h.lease_s)
             h.readers += 1
-            return ""
+            return "", tuple(block_ids)
 
     def unpin(self, req_id: str) -> None:
         with self._cond:
@@ -144,6 +191,11 @@ class HandoffTable:
         it up): freed once all of them are. False for an unknown id or a wrong token."""
         with self._cond:
             h = self._items.get(req_id)
+            if h is None and hmac.compare_digest(self._expected.get(req_id, "\0"), token):
+                # An early handoff given up before prefill offered it: freed when it comes.
+                del self._expected[req_id]
+                self._tombstone(req_id, _RELEASED_EARLY)
+                return True
             if h is None or not hmac.compare_digest(h.token, token):
                 return False
             h.dones += 1
@@ -162,10 +214,13 @@ class HandoffTable:
                 if expired:
                     self.expired_unread += 1
                     logger.warning("kvdisagg: handoff %s lease expired unread; freeing", rid)
-                self._gone[rid] = "expired unread" if expired else "already released"
-                if len(self._gone) > TOMBSTONES:
-                    self._gone.popitem(last=False)
+                self._tombstone(rid, "expired unread" if expired else "already released")
             return out
+
+    def _tombstone(self, req_id: str, why: str) -> None:
+        self._gone[req_id] = why
+        if len(self._gone) > TOMBSTONES:
+            self._gone.popitem(last=False)
 
     def __len__(self) -> int:
         with self._cond:

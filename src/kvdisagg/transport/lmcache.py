@@ -321,8 +321,15 @@ class LMCacheTransport:
                           rank=self.rank if rank is None else rank,
                           shape=self.shape if shape is None else shape)
 
-    def offer(self, offer: Offer) -> None:
+    def offer(self, offer: Offer) -> bool:
         self._stores.put(offer)
+        return True
+
+    def expect(self, handoff_id: str, token: str) -> None:
+        """Early handoffs are for pull transports: a store is looked up by tokens anyway."""
+
+    def forget(self, handoff_id: str, why: str) -> None:
+        pass
 
     def take_released(self) -> set[str]:
         with self._released_lock:

@@ -230,10 +230,18 @@ class PullTransport:
     def expired_unread(self) -> int:
         return self.table.expired_unread
 
-    def offer(self, offer: Offer) -> None:
+    def offer(self, offer: Offer) -> bool:
+        if not self.table.add(offer.handoff_id, offer.token, offer.block_ids, offer.lease_s):
+            return False
         if offer.trace:
             self._traces[offer.handoff_id] = offer.trace
-        self.table.add(offer.handoff_id, offer.token, offer.block_ids, offer.lease_s)
+        return True
+
+    def expect(self, handoff_id: str, token: str) -> None:
+        self.table.expect(handoff_id, token)
+
+    def forget(self, handoff_id: str, why: str) -> None:
+        self.table.forget(handoff_id, why)
 
     def take_released(self) -> set[str]:
         released = self.table.take_finished()
@@ -347,10 +355,11 @@ class PullTransport:
         finally:
             conn.sock.close()
 
-    def _pull_plan(self, fetch: Fetch) -> PullPlan | None:
+    def _pull_plan(self, fetch: Fetch, remote: Sequence[int] | None = None) -> PullPlan | None:
         """What decode reads: the fetch's Part (its layers this worker holds, its heads), or
         every layer and head (a Fetch without a Part: both sides sharded alike). None: the
-        Part only releases."""
+        Part only releases. ``remote``: prefill's blocks when the fetch does not name them
+        (early: prefill's grant does)."""
         if fetch.part is None:
             layers = tuple(r.layer for r in self.regions)
             slices, heads = whole_slices(self.regions), (0, 0)
@@ -364,7 +373,8 @@ class PullTransport:
                 slices = pull_slices(self.regions, layers, fetch.part.dst_head, fetch.part.heads)
             except ValueError as exc:
                 raise TransferFailed(f"decode cannot take its part: {exc}") from None
-        runs = copy_runs(len(layers), fetch.remote_block_ids, fetch.local_block_ids)
+        runs = copy_runs(len(layers), fetch.remote_block_ids if remote is None else remote,
+                         fetch.local_block_ids)
         return PullPlan(runs, slices, layers, heads)
 
     def _pull(self, conn: _Connection, fetch: Fetch, deadline: Deadline,
@@ -375,7 +385,10 @@ class PullTransport:
                                         f"{self.kv_layout}")
         if error := check_blocks(self.regions, fetch.local_block_ids):
             raise TransferFailed(f"decode's {error}")
-        plan = self._pull_plan(fetch) if fetch.local_block_ids else None
+        # Early: prefill's blocks come with its grant; until then the plan names the layers
+        # and heads to ask for (its runs are redone from the grant).
+        plan = (self._pull_plan(fetch, fetch.local_block_ids if fetch.early else None)
+                if fetch.local_block_ids else None)
         try:
             nbytes, mismatch = 0, ""
             if plan is not None:
@@ -383,7 +396,9 @@ class PullTransport:
                 sock.settimeout(deadline.left())
                 try:
                     send_frame(sock, Read(handoff_id=fetch.handoff_id, token=fetch.token,
-                                          block_ids=list(fetch.remote_block_ids),
+                                          block_ids=[] if fetch.early
+                                          else list(fetch.remote_block_ids),
+                                          first_block=fetch.first_block if fetch.early else -1,
                                           dst_block_ids=list(fetch.local_block_ids),
                                           checksum=algorithm.value if algorithm else "",
                                           layers=list(plan.layers),
@@ -399,6 +414,12 @@ class PullTransport:
                     raise TransferFailed(f"{where} answered {reply!r}")
                 if not reply.ok:
                     raise TransferFailed(f"{where} refused the read: {reply.error}")
+                if fetch.early:  # prefill's blocks, which only its grant names
+                    if len(reply.block_ids) != len(fetch.local_block_ids):
+                        raise TransferFailed(f"{where} granted {len(reply.block_ids)} blocks "
+                                             f"for {len(fetch.local_block_ids)}")
+                    plan = self._pull_plan(fetch, reply.block_ids)
+                    assert plan is not None
                 nbytes = run_bytes(plan.slices, plan.runs)
                 if nbytes != reply.nbytes:
                     raise IncompatiblePeerError(f"{where} sends {reply.nbytes} bytes, "
@@ -525,13 +546,16 @@ class PullTransport:
                     "PP may differ)")
         return ""
 
-    def _read_plan(self, read: Read) -> tuple[PullPlan | None, str]:
+    def _read_plan(self, read: Read, blocks: Sequence[int] | None = None
+                   ) -> tuple[PullPlan | None, str]:
         """Prefill's side of a Read: the layers and heads it names, checked against what this
-        worker holds (ids come off the wire)."""
-        if error := check_blocks(self.regions, read.block_ids):
+        worker holds (ids come off the wire). ``blocks``: the handoff's blocks an early Read
+        gets (by position), instead of the ids it names."""
+        src = list(read.block_ids if blocks is None or read.first_block < 0 else blocks)
+        if error := check_blocks(self.regions, src):
             return None, error
-        if len(read.dst_block_ids) != len(read.block_ids):
-            return None, f"{len(read.block_ids)} blocks to read into {len(read.dst_block_ids)}"
+        if len(read.dst_block_ids) != len(src):
+            return None, f"{len(src)} blocks to read into {len(read.dst_block_ids)}"
         if len(read.heads) not in (0, 2):
             return None, f"heads {read.heads}: expected [first, count]"
         try:
@@ -546,34 +570,50 @@ class PullTransport:
         heads = (slices[0].offset // self.regions[slices[0].region].head_bytes,
                  slices[0].nbytes // self.regions[slices[0].region].head_bytes) if slices \
             else (0, 0)
-        return PullPlan(copy_runs(len(slices), read.block_ids, read.dst_block_ids), slices,
+        return PullPlan(copy_runs(len(slices), src, read.dst_block_ids), slices,
                         tuple(layers), heads), ""
 
     def _handle(self, peer: Any, sock: socket.socket, msg: object) -> None:
         match msg:
-            case Read(handoff_id=rid, token=token, block_ids=src, checksum=checksum):
+            case Read(handoff_id=rid, token=token, checksum=checksum, first_block=first):
                 start_ns = now_ns()
-                plan, error = self._read_plan(msg)
+                early = first >= 0
+                error = ""
+                if early and msg.block_ids:
+                    error = "a Read by position (first_block) names no block ids"
                 if not error and checksum and checksum not in ALGORITHMS:
                     error = (f"unknown checksum algorithm {checksum!r} (prefill knows "
                              f"{sorted(ALGORITHMS)})")
+                plan: PullPlan | None = None
+                if not error and not early:
+                    plan, error = self._read_plan(msg)  # checked before waiting
+                src: tuple[int, ...] = ()
                 if not error:
                     # A Read may come before the worker learnt of its handoff (that arrives in
-                    # the next engine step's metadata, late on a busy host): it waits while the
-                    # engine makes progress, telling decode it is alive (Wait) meanwhile.
-                    error = self.table.pin(rid, token, src,
-                                           self.config.transfer_timeout_seconds,
-                                           keepalive=lambda: send_frame(sock, Wait()))
+                    # the next engine step's metadata, late on a busy host; an early Read comes
+                    # before prefill computed it): it waits while the handoff may still come,
+                    # telling decode it is alive (Wait) meanwhile.
+                    error, src = self.table.pin(
+                        rid, token, msg.block_ids, self.config.transfer_timeout_seconds,
+                        keepalive=lambda: send_frame(sock, Wait()), first_block=first,
+                        count=len(msg.dst_block_ids),
+                        early_grace_s=self.config.transfer_timeout_seconds)
                 pinned_ns = now_ns()
                 if error:
                     send_frame(sock, Reply(ok=False, error=error))
                     return
-                assert plan is not None
                 try:
+                    if plan is None:  # an early Read: the blocks are known now
+                        plan, error = self._read_plan(msg, src)
+                        if error:
+                            send_frame(sock, Reply(ok=False, error=error))
+                            return
+                    assert plan is not None
                     deadline = Silence(self.config.transfer_timeout_seconds,
                                        f"serving handoff {rid}")
                     self.send(peer, sock, plan, deadline, encode_frame(
-                        Reply(ok=True, nbytes=run_bytes(plan.slices, plan.runs))))
+                        Reply(ok=True, nbytes=run_bytes(plan.slices, plan.runs),
+                              block_ids=list(src) if early else [])))
                     # One-sided reads happen now; the pin holds until decode says Done.
                     if checksum:
                         algorithm = ALGORITHMS[checksum]

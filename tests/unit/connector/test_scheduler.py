@@ -955,3 +955,80 @@ def test_decode_stores_nothing_short_of_a_chunk(make):
     h.drain()
     assert h.sends(req.request_id) == []
     h.assert_no_leak()
+
+
+# ---- early handoffs (the proxy sends decode's leg with prefill's) -----------------------------
+
+EARLY = {"handoff_id": "early-handoff-id-0123", "token": "early-token-0123456789"}
+
+
+def test_prefill_expects_an_early_handoff_and_offers_it_under_the_proxys_name(make):
+    """The request names its handoff (``kvdisagg_early``): the workers expect it from the
+    request's first step, and the offer and the client's params carry that id and token."""
+    p = make("kv_producer", ports=[closed_port()])
+    req = p.add_request(40, kv_transfer_params={**REMOTE_DECODE, "kvdisagg_early": EARLY})
+    s = p.step()
+    assert s.meta.expects == [(EARLY["handoff_id"], EARLY["token"])]
+    p.run_until(lambda s: req.is_finished(), max_steps=10)
+    params = p.final_output(req.request_id).kv_transfer_params
+    assert params["remote_request_id"] == EARLY["handoff_id"]
+    assert params["kvdisagg"]["token"] == EARLY["token"]
+    p.step()
+    (send,) = p.sends(req.request_id)
+    assert (send.req_id, send.handoff_id, send.token) == (
+        req.request_id, EARLY["handoff_id"], EARLY["token"])
+    p.step(finished_sending={req.request_id})
+    p.assert_no_leak()
+
+
+@pytest.mark.parametrize("bad", [{"handoff_id": "short", "token": EARLY["token"]},
+                                 {"handoff_id": EARLY["handoff_id"]}, "not-a-dict"])
+def test_prefill_ignores_an_invalid_early_handoff(make, bad):
+    p = make("kv_producer", ports=[closed_port()])
+    req = p.add_request(40, kv_transfer_params={**REMOTE_DECODE, "kvdisagg_early": bad})
+    assert p.step().meta.expects == []
+    p.run_until(lambda s: req.is_finished(), max_steps=10)
+    assert p.final_output(req.request_id).kv_transfer_params["remote_request_id"] == \
+        req.request_id
+    p.step()
+    p.step(finished_sending={req.request_id})
+    p.assert_no_leak()
+
+
+def test_prefill_aborted_early_handoff_is_forgotten(make):
+    """The decode reading it early is refused with the reason instead of waiting."""
+    p = make("kv_producer", ports=[closed_port()])
+    req = p.add_request(40, kv_transfer_params={**REMOTE_DECODE, "kvdisagg_early": EARLY})
+    p.abort(req.request_id)  # before its step (the worker learns both, in this order)
+    s = p.step()
+    assert s.meta.expects == [(EARLY["handoff_id"], EARLY["token"])]
+    assert s.meta.forgets == [(EARLY["handoff_id"],
+                               "not offered: prefill's request ended FINISHED_ABORTED")]
+    assert not s.meta.sends
+    p.assert_no_leak()
+
+
+@pytest.mark.parametrize("hit", [0, 1])
+def test_decode_early_params_load_by_position_the_whole_prompt(make, hit):
+    """Early params carry no block ids and no token count: decode claims its whole prompt
+    (but the last token) and reads prefill's blocks by position after its local hit."""
+    d = make("kv_consumer")
+    prompt = [5 + i for i in range(40)]
+    if hit:  # decode's prefix cache holds the first block
+        warm = d.add_request(40, prompt=prompt[:16] + [999] * 24, max_tokens=1)
+        d.run_until(lambda s: warm.is_finished(), max_steps=10)
+    params = remote_prefill_params(d, 40, block_ids=[], request_id=EARLY["handoff_id"],
+                                   token=EARLY["token"])
+    params["remote_num_tokens"] = 0
+    params["kvdisagg"]["early"] = True
+    req = d.add_request(40, prompt=prompt, kv_transfer_params=params, max_tokens=2)
+    s = d.step()
+    (load,) = s.meta.loads
+    assert not load.error and load.early and load.remote_block_ids == ()
+    assert load.first_block == hit
+    assert list(load.local_block_ids) == d.block_ids(req.request_id)[hit:]
+    assert (load.handoff_id, load.token) == (EARLY["handoff_id"], EARLY["token"])
+    d.step(finished_recving={req.request_id})
+    assert d.step().scheduled == {req.request_id: 1}  # the last prompt token, computed here
+    d.drain()
+    d.assert_no_leak()

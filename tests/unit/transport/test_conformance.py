@@ -106,6 +106,35 @@ def test_bytes_arrive_intact_and_the_handoff_is_released(pair):
     assert "r1" in peer.released({"r1"})
 
 
+def test_an_early_read_waits_for_its_offer_and_gets_its_blocks_by_position(pair):
+    """The proxy sent decode's leg with prefill's: decode's Read names the handoff and block
+    positions before prefill computed it, waits (Wait frames) while prefill expects it, then
+    gets the blocks of the offer; a forgotten one is refused with prefill's reason."""
+    name, _, peer, decode, dst = pair
+    if name not in PULL:
+        pytest.skip("early handoffs are for pull transports")
+    remote, local, prompt = [2, 3, 4, 9], [7, 8, 0], prompt_for(4)
+    token = "early-token-0123456789"
+    peer.ask(op="expect", handoff_id="early-handoff-0001", token=token)
+    fetch = Fetch(handoff_id="early-handoff-0001", token=token, host="127.0.0.1",
+                  port=peer.port, kv_layout=KV_LAYOUT, remote_block_ids=(),
+                  local_block_ids=tuple(local), first_block=1, early=True)
+    with ThreadPoolExecutor(1) as pool:
+        pulled = pool.submit(decode.fetch, fetch, TIMEOUT_S)
+        time.sleep(TIMEOUT_S * 1.5)  # longer than decode's bound on silence: Waits keep it
+        assert not pulled.done()
+        peer.offer("early-handoff-0001", remote, prompt, token=token)
+        assert pulled.result(TIMEOUT_S) > 0
+    assert_moved(dst, remote[1:], local)
+    assert "early-handoff-0001" in peer.released({"early-handoff-0001"})
+    peer.ask(op="expect", handoff_id="early-handoff-0002", token=token)
+    peer.ask(op="forget", handoff_id="early-handoff-0002", why="its request was aborted")
+    with pytest.raises(TransportError, match="its request was aborted"):
+        decode.fetch(Fetch(handoff_id="early-handoff-0002", token=token, host="127.0.0.1",
+                           port=peer.port, kv_layout=KV_LAYOUT, remote_block_ids=(),
+                           local_block_ids=(1,), first_block=0, early=True), TIMEOUT_S)
+
+
 def test_tail_of_a_handoff(pair):
     """Decode's prefix cache held the first block: only the rest moves."""
     _, _, peer, decode, dst = pair

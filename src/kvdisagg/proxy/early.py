@@ -1,0 +1,136 @@
+"""Early dispatch: a disaggregated request's decode leg goes out together with its prefill leg.
+
+**Why.** In the ordinary handoff, decode hears of the request only once prefill has answered:
+the proxy then sends the decode leg, and vLLM's HTTP intake, input processing and a schedule
+(~3 ms on CPU, docs/benchmarks.md) sit on the critical path before the pull can start. Sent
+early, decode admits the request while prefill computes, and its pull waits at prefill for the
+handoff (transport/handoffs.py: an *early* Read), so it starts the moment the KV is offered.
+
+**How.** The proxy names the handoff, a random id and token, in both legs: prefill's request
+carries them (``kvdisagg_early``) and its connector offers the KV under them; decode's
+kv_transfer_params are that prefill's last handoff params (its side-channel host and ports,
+layout, transport and shape, which do not change while it runs) with the new id and token,
+``early`` set and no block ids: decode claims its whole prompt and reads prefill's blocks by
+position.
+
+**When.** The decision is on and chose ``pd`` (``--always-disaggregate`` keeps the ordinary
+handoff for every request); the chosen prefill is idle (no leg of ours in flight,
+nothing waiting in its vLLM gauges: it starts at once, so decode holds the request's blocks for
+the prefill's compute, not its queue); an earlier handoff told us its parameters; its
+transport is a pull transport (a store has no side channel: port 0). Otherwise, and for a
+migrated stream's continuation, the ordinary path.
+
+**Failure.** If the prefill leg fails first, the decode leg is cancelled (vLLM aborts it) and
+the request is served the ordinary way (another prefill, or decode alone, as ``prefill.py``
+decides); a client error (4xx) goes back as it came. If the decode leg fails, the prefill leg
+is cancelled and the request served the ordinary way. Both count as ``fell_back`` in
+``kvdisagg_proxy_early_handoffs_total``. A handoff offered but never read is freed when its
+lease runs out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from aiohttp import web
+
+from kvdisagg.protocol import RemotePrefill
+from kvdisagg.proxy.decide import Decision
+from kvdisagg.proxy.decode import Opened, attempt
+from kvdisagg.proxy.legs import LegFailure
+from kvdisagg.proxy.policies import Verdict
+from kvdisagg.proxy.prefill import Prefilled, prefill_leg
+from kvdisagg.proxy.registry import Instance
+from kvdisagg.proxy.types import Side
+
+if TYPE_CHECKING:
+    from kvdisagg.proxy.serving import RequestCtx, Serving
+
+log = logging.getLogger("kvdisagg.proxy")
+
+
+def early_params(template: bytes, handoff_id: str, token: str) -> bytes | None:
+    """Decode's kv_transfer_params for an early handoff from the prefill whose last handoff
+    params are ``template``; None if they cannot serve (unreadable, or a store transport)."""
+    try:
+        last = msgspec.json.decode(template, type=RemotePrefill)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    if last.remote_port == 0:  # a store transport: no side channel to wait at
+        return None
+    extras = msgspec.structs.replace(last.kvdisagg, token=token, early=True,
+                                     lease_expires=time.time() + last.kvdisagg.lease_s)
+    params = msgspec.to_builtins(msgspec.structs.replace(
+        last, remote_request_id=handoff_id, remote_block_ids=[], remote_num_tokens=0,
+        kvdisagg=extras))
+    params["do_remote_decode"] = False
+    return msgspec.json.encode(params)
+
+
+async def open_early(s: Serving, ctx: RequestCtx, decision: Decision
+                     ) -> Opened | web.Response | None:
+    """A decode leg that answered, sent with its prefill leg; the client's error; or None:
+    serve the request the ordinary way (not eligible, or the early try failed)."""
+    decode = decision.decode.instance
+    if (not (s.cfg.decision.enabled and s.cfg.decision.early_decode)
+            or ctx.body.forwarded_ids is not None
+            or not isinstance(decode, Instance)
+            or decode not in s.registry.candidates(Side.DECODE)):
+        return None
+    sel = s.decider.choose(Side.PREFILL, s.prefill_policy, ctx.body.route,
+                           s.registry.candidates(Side.PREFILL), ctx.hits)
+    inst = sel.instance
+    if (not isinstance(inst, Instance) or sel.verdict is not Verdict.OK
+            or inst.handoff_params is None or inst.in_flight(Side.PREFILL)
+            or inst.vllm_waiting >= 1):
+        return None
+    named = {"handoff_id": secrets.token_urlsafe(16), "token": secrets.token_urlsafe(16)}
+    kv = early_params(inst.handoff_params, **named)
+    if kv is None:
+        return None
+    deadline = time.perf_counter() + s.cfg.timeouts.decode_total_s
+    prefilled = asyncio.ensure_future(prefill_leg(s, ctx, inst, named))
+    opening = asyncio.ensure_future(attempt(s, ctx, decode, Prefilled(kv), deadline))
+    try:
+        await asyncio.wait((prefilled, opening), return_when=asyncio.FIRST_COMPLETED)
+        if not opening.done() and isinstance(failed := prefilled.result(), LegFailure):
+            await _cancel(opening)
+            s.metrics.early_handoff("fell_back")
+            log.warning("request %s: early handoff: prefill failed (%s); serving it the "
+                        "ordinary way", ctx.rid, failed.message)
+            return failed.client_error
+        opened = await opening
+    except BaseException:
+        await _cancel(opening)
+        await _cancel(prefilled)
+        raise
+    if isinstance(opened, Opened):
+        s.metrics.early_handoff("opened")
+        s.keep(prefilled)  # it ends on its own; its leg does its own bookkeeping
+        return opened
+    await _cancel(prefilled)
+    s.metrics.early_handoff("fell_back")
+    log.warning("request %s: early handoff: decode failed (%s); serving it the ordinary way",
+                ctx.rid, opened.failure.message)
+    return None
+
+
+async def _cancel(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` and wait for it to clean up (its leg closes, vLLM aborts)."""
+    if task.done():
+        if not task.cancelled():
+            task.exception()  # retrieved: a failed leg was already recorded by its scope
+        return
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        if (current := asyncio.current_task()) is not None and current.cancelling():
+            raise
+    except Exception:  # its failure is recorded by its leg scope
+        pass
