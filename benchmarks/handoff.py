@@ -52,6 +52,7 @@ from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support: the collector
 from kvdisagg.local.fleet import Fleet
+from kvdisagg.local.servers import metric_value
 from kvdisagg.local.tiny_model import ensure_tiny_model
 from tests.support.otlp_sink import OtlpSink, SpanRecord, by_request
 
@@ -67,6 +68,7 @@ class Client:
 
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
+        self.url = url
         self.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
         self.route = ""  # the last answer's X-Kvdisagg-Handoff
 
@@ -126,6 +128,9 @@ def main() -> None:
     ap.add_argument("--transport", default="tcp")
     ap.add_argument("--decision", action="store_true",
                     help="also time decode alone and the default decision (two more proxies)")
+    ap.add_argument("--early", action="store_true",
+                    help="with --decision: the default proxy sends decode legs early "
+                    "(--early-decode); its prefill legs and what follows them are traced too")
     ap.add_argument("--out", type=Path, help="write every measurement here (JSON)")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/kvdisagg-handoff-bench"))
     args = ap.parse_args()
@@ -149,13 +154,16 @@ def main() -> None:
             if args.decision:
                 more["local"] = Client(fleet.extra_proxy(
                     ["--local-prefill-tokens", str(10 * MAX_LEN)], "proxy-local"))
-                more["default"] = Client(fleet.extra_proxy([], "proxy-default"))
+                more["default"] = Client(fleet.extra_proxy(
+                    ["--early-decode", "--otlp-traces-endpoint", sink.url] if args.early
+                    else [], "proxy-default"))
             for n in args.lengths:
                 gen = {"model": "tiny", "temperature": 0, "ignore_eos": True}
                 for client in (prefill, proxy, *more.values()):  # one-off costs of a length
                     client.first_token_s({**gen, "prompt": prompt(n, rng), "max_tokens": 1},
                                          f"warm{n}-{time.monotonic_ns()}")
                 rows = []
+                early0 = _early(more)
                 for i in range(args.rounds):
                     alone = prefill.first_token_s(
                         {**gen, "prompt": prompt(n, rng), "max_tokens": 1}, f"a{n}-{i}")
@@ -166,9 +174,11 @@ def main() -> None:
                     row = {"rid": rid, "alone": alone * 1e3, "pd": pd * 1e3,
                            "sent_ns": sent_ns, "client_first_ns": sent_ns + int(pd * 1e9)}
                     for name, client in more.items():
+                        row[f"{name}_rid"] = f"{name}{n}-{i}-{time.monotonic_ns()}"
+                        row[f"{name}_sent_ns"] = time.time_ns()
                         row[name] = 1e3 * client.first_token_s(
                             {**gen, "prompt": prompt(n, rng), "max_tokens": 2,
-                             "stream": True}, f"{name}{n}-{i}-{time.monotonic_ns()}")
+                             "stream": True}, row[f"{name}_rid"])
                         row[f"{name}_route"] = client.route
                     rows.append(row)
                     print(f"{n:5d} tokens round {i + 1}/{args.rounds}: alone "
@@ -176,6 +186,8 @@ def main() -> None:
                           + "".join(f", {k} {row[k]:7.1f} ms" for k in more),
                           file=sys.stderr)
                 results[n] = rows
+                if more:  # how many of default's requests went out early (proxy/early.py)
+                    rows[0]["default_early"] = _early(more) - early0
             want = {r["rid"] for rows in results.values() for r in rows}
             spans = sink.wait_for(lambda sp: want <= _complete(sp), timeout_s=30)
     traces = by_request(spans)
@@ -185,6 +197,16 @@ def main() -> None:
             trace = traces.get(r["rid"], [])
             if _complete_trace(trace):
                 r.update(phases_of(trace, r["sent_ns"], r["client_first_ns"]))
+            if args.early and "default_rid" in r:  # its prefill leg, and what follows it
+                legs = {sp.name: sp for sp in traces.get(r["default_rid"], [])}
+                if "prefill_leg" in legs:
+                    pre = legs["prefill_leg"]
+                    r["default_prefill"] = (pre.end_ns - pre.start_ns) / 1e6
+                    r["default_after"] = (r["default_sent_ns"] + r["default"] * 1e6
+                                          - pre.end_ns) / 1e6
+            if "prefill" in r:
+                r["pd_after"] = (r["client_first_ns"] - r["sent_ns"]) / 1e6 - r["in"] - \
+                    r["accept"] - r["prefill"]
         traced = [r for r in rows if "pull" in r]
         med = {k: statistics.median(r[k] for r in traced if k in r) for k in [*PHASES, "pull"]
                if any(k in r for r in traced)}
@@ -198,12 +220,26 @@ def main() -> None:
                 routes[r["default_route"]] = routes.get(r["default_route"], 0) + 1
             decision = {k: statistics.median(r[k] for r in rows) for k in ("local", "default")}
             decision["default_routes"] = routes
+            decision["default_early"] = rows[0].get("default_early", 0)
+            decision["default_overhead"] = statistics.median(
+                r["default"] - r["alone"] for r in rows)
+            for k in ("default_prefill", "default_after", "pd_after"):
+                if any(k in r for r in rows):
+                    decision[k] = statistics.median(r[k] for r in rows if k in r)
         table.append({"tokens": n, "rounds": len(rows), "traced": len(traced), "alone": alone,
                       "pd": pd, "overhead": overhead, **med, **decision})
     _print(table)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"table": table, "rows": results}, indent=1))
+
+
+def _early(more: dict[str, Client]) -> float:
+    """The default proxy's early handoffs so far (0 without ``--decision``)."""
+    if "default" not in more:
+        return 0.0
+    return metric_value(more["default"].url, "kvdisagg_proxy_early_handoffs_total",
+                        outcome="opened")
 
 
 def _complete_trace(trace: list[SpanRecord]) -> bool:
@@ -228,15 +264,28 @@ def _print(table: list[dict[str, Any]]) -> None:
     print("(p50 over rounds, ms; overhead = P/D TTFT - prefill alone; goal: overhead <= pull + 8)")
     if table and "local" in table[0]:
         print("\n| tokens | prefill alone | P/D | decode alone | default decision | its routes "
+              "| of which early | P/D - prefill alone | default - prefill alone "
               "| P/D - decode alone | default / prefill alone |")
-        print("|---:|---:|---:|---:|---:|---|---:|---:|")
+        print("|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|")
         for r in table:
             routes = ", ".join(f"{k} {v}" for k, v in sorted(r["default_routes"].items()))
             print(f"| {r['tokens']} | {r['alone']:.1f} | {r['pd']:.1f} | {r['local']:.1f} | "
-                  f"{r['default']:.1f} | {routes} | {r['pd'] - r['local']:.1f} | "
-                  f"{r['default'] / r['alone']:.2f} |")
-        print("(p50 over rounds, ms; decode alone: decode computes the prompt, through a proxy; "
-              "default decision: the proxy's defaults)")
+                  f"{r['default']:.1f} | {routes} | {r['default_early']:.0f} | "
+                  f"{r['overhead']:.1f} | {r['default_overhead']:.1f} | "
+                  f"{r['pd'] - r['local']:.1f} | {r['default'] / r['alone']:.2f} |")
+        if "default_prefill" in table[0]:
+            print("\n| tokens | P/D prefill leg | default prefill leg | P/D after it | "
+                  "default after it |")
+            print("|---:|---:|---:|---:|---:|")
+            for r in table:
+                print(f"| {r['tokens']} | {r.get('prefill', float('nan')):.1f} | "
+                      f"{r['default_prefill']:.1f} | {r.get('pd_after', float('nan')):.1f} | "
+                      f"{r['default_after']:.1f} |")
+            print("(p50, ms, from the traces: the prefill leg, and from its answer to the "
+                  "client's first token)")
+        print("(p50 over rounds, ms; P/D: every request through prefill, the ordinary handoff; "
+              "decode alone: decode computes the prompt, through a proxy; default decision: the "
+              "proxy's defaults, early dispatch included)")
 
 
 if __name__ == "__main__":

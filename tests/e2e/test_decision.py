@@ -46,7 +46,7 @@ def deciding(fleet, model: Path):
     proc = subprocess.Popen([sys.executable, "-m", "kvdisagg.cli", "proxy", "--prefill",
                              fleet.prefill.base_url, "--decode", fleet.decode.base_url,
                              "--host", "127.0.0.1", "--port", str(port), "--tokenizer",
-                             str(model), "--local-prefill-tokens", "256"],
+                             str(model), "--local-prefill-tokens", "256", "--early-decode"],
                             stdout=log, stderr=subprocess.STDOUT)
     log.close()
     url = f"http://127.0.0.1:{port}"

@@ -84,7 +84,8 @@ class DisaggConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> DisaggMetadata:
         assert self._scheduler is not None
-        return self._scheduler.build_connector_meta()
+        return self._scheduler.build_connector_meta(
+            idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 1))
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:

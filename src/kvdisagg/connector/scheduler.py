@@ -61,6 +61,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+EARLY_IDLE_S = 0.001  # an idle engine's pause per step while early loads wait (see above)
+
 PrefixLookup = Callable[[Sequence[int], str, Shape], int]  # (prompt, kv_layout, shape) -> tokens
 HandoffKey = tuple[str, str, str]  # (remote_engine_id, remote_request_id, token)
 
@@ -130,6 +132,7 @@ class DisaggScheduler:
         self._sends: list[SendSpec] = []
         self._loads: list[LoadSpec] = []
         self._early: dict[str, EarlyHandoff] = {}  # prefill requests naming their handoff
+        self._early_waiting: set[str] = set()  # decode: early loads planned, not yet reported
         self._expects: list[tuple[str, str]] = []
         self._forgets: list[tuple[str, str]] = []
         self.leases: LeaseKeeper | None = None  # decode: keeps held handoffs alive
@@ -198,6 +201,7 @@ class DisaggScheduler:
         """A reported load ends the hold (a failed one also releases prefill's KV); staged
         handoffs freed on every worker give their arena blocks back."""
         for req_id in finished_recving:
+            self._early_waiting.discard(req_id)
             incoming = self._incoming.get(req_id)
             if req_id in failed_recving and incoming is not None and not incoming.recomputed:
                 incoming.recomputed = "load_failed"  # recomputed if the request then finishes
@@ -313,6 +317,8 @@ class DisaggScheduler:
         if self.keyed_by_tokens and not load.error:
             load = dataclasses.replace(load, prompt_token_ids=tuple(request.prompt_token_ids))
         if not (load.error or load.release_only):
+            if load.early:
+                self._early_waiting.add(request.request_id)
             span = self.tracer.start("kvdisagg.load", incoming.trace,
                                      attributes={"kvdisagg.blocks": len(local)})
             self._load_started[request.request_id] = (time.perf_counter(), span)
@@ -358,7 +364,13 @@ class DisaggScheduler:
                         local_block_ids=tuple(local), first_block=first,
                         release_only=not local)
 
-    def build_connector_meta(self) -> DisaggMetadata:
+    def build_connector_meta(self, idle: bool = False) -> DisaggMetadata:
+        """The step's metadata. ``idle``: the step computes nothing. vLLM's engine loop spins
+        while a request waits for its KV; an early handoff's wait lasts prefill's whole compute
+        (not a pull's few ms), so an engine with nothing else to do pauses EARLY_IDLE_S per
+        empty step instead of taking a core from everything else on the host."""
+        if idle and self._early_waiting:
+            time.sleep(EARLY_IDLE_S)
         meta = DisaggMetadata(sends=self._sends, loads=self._loads, expects=self._expects,
                               forgets=self._forgets)
         self._sends, self._loads, self._expects, self._forgets = [], [], [], []
@@ -370,6 +382,7 @@ class DisaggScheduler:
 
         self._pulled.discard(request.request_id)
         self._stored.pop(request.request_id, None)
+        self._early_waiting.discard(request.request_id)
         finished = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED,
                                       RequestStatus.FINISHED_STOPPED)
         incoming = self._incoming.pop(request.request_id, None)

@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-prefill-tokens", type=int, metavar="N",
                    help="decode serves a request alone when it would compute at most N "
                    "prompt tokens itself (default 512)")
+    p.add_argument("--early-decode", action="store_true",
+                   help="send a disaggregated request's decode leg together with its prefill "
+                   "leg when the prefill is idle (decision.early_decode; docs/proxy.md)")
     p.add_argument("--tokenizer", metavar="DIR",
                    help="the served model's tokenizer (a model directory): request token ids "
                    "are worked out in the proxy for cache-hit predictions (else vLLM's "
@@ -103,7 +106,8 @@ def config_from_args(args: argparse.Namespace):  # -> ProxyConfig
     if args.no_decode_only_fallback:
         cfg = rep(cfg, retry=rep(cfg.retry, decode_only_fallback=False))
     dec = {k: v for k, v in (("enabled", False if args.always_disaggregate else None),
-                             ("local_prefill_tokens", args.local_prefill_tokens))
+                             ("local_prefill_tokens", args.local_prefill_tokens),
+                             ("early_decode", True if args.early_decode else None))
            if v is not None}
     if dec:
         cfg = rep(cfg, decision=rep(cfg.decision, **dec))

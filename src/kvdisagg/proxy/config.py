@@ -137,9 +137,11 @@ class DecisionConfig(_Base):
     """Decode serves a request alone when it would compute at most this many prompt tokens
     itself (the prompt minus its cached prefix); scaled down as decode's predicted TPOT nears
     ``slo.tpot_s``. Measured default: docs/benchmarks.md."""
-    early_decode: bool = True
+    early_decode: bool = False
     """A disaggregated request's decode leg goes out together with its prefill leg when the
-    prefill is idle (early.py): decode's intake and admission overlap the prefill."""
+    prefill is idle (early.py): decode's intake and admission overlap the prefill. Off by
+    default: vLLM's engine loop spins while a request waits for its KV, which on hosts where
+    prefill and decode share CPU cores costs prefill more than it saves (benchmarks.md)."""
     idle_decode_tokens: Annotated[int, msgspec.Meta(ge=0)] = 4096
     """A decode with no stream to protect (nothing in flight but prompts it computes itself)
     computes a longer prompt too, when every prefill has a queue at least as long (in prompt

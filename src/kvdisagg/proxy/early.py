@@ -43,7 +43,7 @@ from kvdisagg.protocol import RemotePrefill
 from kvdisagg.proxy.decide import Decision
 from kvdisagg.proxy.decode import Opened, attempt
 from kvdisagg.proxy.legs import LegFailure
-from kvdisagg.proxy.policies import Verdict
+from kvdisagg.proxy.policies import Selection, Verdict
 from kvdisagg.proxy.prefill import Prefilled, prefill_leg
 from kvdisagg.proxy.registry import Instance
 from kvdisagg.proxy.types import Side
@@ -72,19 +72,20 @@ def early_params(template: bytes, handoff_id: str, token: str) -> bytes | None:
     return msgspec.json.encode(params)
 
 
-async def open_early(s: Serving, ctx: RequestCtx, decision: Decision
+def wanted(s: Serving, ctx: RequestCtx) -> bool:
+    """Whether a disaggregated request may go out early (before choosing anything)."""
+    return (s.cfg.decision.enabled and s.cfg.decision.early_decode
+            and ctx.body.forwarded_ids is None)
+
+
+async def open_early(s: Serving, ctx: RequestCtx, decision: Decision, sel: Selection
                      ) -> Opened | web.Response | None:
-    """A decode leg that answered, sent with its prefill leg; the client's error; or None:
-    serve the request the ordinary way (not eligible, or the early try failed)."""
-    decode = decision.decode.instance
-    if (not (s.cfg.decision.enabled and s.cfg.decision.early_decode)
-            or ctx.body.forwarded_ids is not None
-            or not isinstance(decode, Instance)
-            or decode not in s.registry.candidates(Side.DECODE)):
+    """A decode leg that answered, sent with its prefill leg to ``sel``'s prefill; the
+    client's error; or None: serve the request the ordinary way (not eligible, or the early
+    try failed)."""
+    decode, inst = decision.decode.instance, sel.instance
+    if not isinstance(decode, Instance) or decode not in s.registry.candidates(Side.DECODE):
         return None
-    sel = s.decider.choose(Side.PREFILL, s.prefill_policy, ctx.body.route,
-                           s.registry.candidates(Side.PREFILL), ctx.hits)
-    inst = sel.instance
     if (not isinstance(inst, Instance) or sel.verdict is not Verdict.OK
             or inst.handoff_params is None or inst.in_flight(Side.PREFILL)
             or inst.vllm_waiting >= 1):

@@ -35,7 +35,7 @@ from kvdisagg.proxy.legs import (
     outcome_of,
     status_outcome,
 )
-from kvdisagg.proxy.policies import Verdict
+from kvdisagg.proxy.policies import Selection, Verdict
 from kvdisagg.proxy.registry import Instance, Outcome
 from kvdisagg.proxy.responses import error_body, error_response
 from kvdisagg.proxy.types import Admission, Side
@@ -63,17 +63,27 @@ class Prefilled(NamedTuple):
         return "pd" if self.kv is not None else f"decode_only:{self.local_reason}"
 
 
-async def prefill(s: Serving, ctx: RequestCtx) -> Prefilled | web.Response:
-    """kv_transfer_params from some prefill instance, decode-only, or the client's answer."""
+def choose_prefill(s: Serving, ctx: RequestCtx, tried: tuple[Instance, ...] = ()) -> Selection:
+    """The prefill holding the longest cached prefix of the prompt (KV events), weighed with
+    load; without a prediction, the prefill policy's pick."""
+    return s.decider.choose(Side.PREFILL, s.prefill_policy, ctx.body.route,
+                            s.registry.candidates(Side.PREFILL, tried), ctx.hits)
+
+
+async def prefill(s: Serving, ctx: RequestCtx, first: Selection | None = None
+                  ) -> Prefilled | web.Response:
+    """kv_transfer_params from some prefill instance, decode-only, or the client's answer.
+    ``first``: the prefill already chosen for the first try (a policy picks once per try)."""
     cfg, reg = s.cfg, s.registry
     tried: list[Instance] = []
     failures: list[LegFailure] = []
     missing_kv = False
     for attempt in range(cfg.retry.prefill_attempts):
-        # The prefill holding the longest cached prefix of the prompt (KV events), weighed
-        # with load; without a prediction, the prefill policy's pick.
-        sel = s.decider.choose(Side.PREFILL, s.prefill_policy, ctx.body.route,
-                               reg.candidates(Side.PREFILL, tuple(tried)), ctx.hits)
+        if (attempt == 0 and first is not None
+                and (first.instance is None or first.instance in reg.candidates(Side.PREFILL))):
+            sel = first
+        else:
+            sel = choose_prefill(s, ctx, tuple(tried))
         inst = sel.instance
         if inst is None:
             break

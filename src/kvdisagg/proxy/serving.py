@@ -26,13 +26,13 @@ from aiohttp import web
 
 from kvdisagg.errors import BodyError
 from kvdisagg.proxy import body as bodies
+from kvdisagg.proxy import early
 from kvdisagg.proxy.config import ProxyConfig
 from kvdisagg.proxy.decide import CacheView, Decider, Decision, Route
 from kvdisagg.proxy.decode import Opened, finish_body, open_decode, relay_stream
-from kvdisagg.proxy.early import open_early
 from kvdisagg.proxy.metrics import Metrics
 from kvdisagg.proxy.policies import Policy
-from kvdisagg.proxy.prefill import Prefilled, prefill
+from kvdisagg.proxy.prefill import Prefilled, choose_prefill, prefill
 from kvdisagg.proxy.prefix_index import BlockExtra
 from kvdisagg.proxy.registry import Instance, Registry
 from kvdisagg.proxy.responses import error_response
@@ -197,11 +197,14 @@ class Serving:
                                      "kvdisagg.cached_tokens": decision.cached_tokens,
                                      "kvdisagg.uncached_tokens": decision.uncached_tokens})
         if decision.route is Route.PD:
-            if not avoid and (early := await open_early(self, ctx, decision)) is not None:
-                if isinstance(early, Opened):
-                    self._count(decision, Prefilled(early.pre.kv))
-                return early
-            pre = await prefill(self, ctx)
+            first = choose_prefill(self, ctx)
+            if (not avoid and early.wanted(self, ctx)
+                    and (opened := await early.open_early(self, ctx, decision, first))
+                    is not None):
+                if isinstance(opened, Opened):
+                    self._count(decision, Prefilled(opened.pre.kv))
+                return opened
+            pre = await prefill(self, ctx, first)
             if isinstance(pre, web.Response):
                 return pre
         else:

@@ -191,10 +191,14 @@ class HandoffTable:
         it up): freed once all of them are. False for an unknown id or a wrong token."""
         with self._cond:
             h = self._items.get(req_id)
-            if h is None and hmac.compare_digest(self._expected.get(req_id, "\0"), token):
-                # An early handoff given up before prefill offered it: freed when it comes.
-                del self._expected[req_id]
+            if h is None and req_id not in self._gone and hmac.compare_digest(
+                    self._expected.get(req_id, token), token):
+                # An early handoff given up before prefill offered it (expected, or its
+                # request not even here yet): a Read waiting for it is refused now, and the
+                # offer, if it comes, is freed at once.
+                self._expected.pop(req_id, None)
                 self._tombstone(req_id, _RELEASED_EARLY)
+                self._cond.notify_all()
                 return True
             if h is None or not hmac.compare_digest(h.token, token):
                 return False

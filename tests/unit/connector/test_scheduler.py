@@ -1028,6 +1028,7 @@ def test_decode_early_params_load_by_position_the_whole_prompt(make, hit):
     assert load.first_block == hit
     assert list(load.local_block_ids) == d.block_ids(req.request_id)[hit:]
     assert (load.handoff_id, load.token) == (EARLY["handoff_id"], EARLY["token"])
+    assert d.side._early_waiting == {req.request_id}  # an idle engine pauses per step
     d.step(finished_recving={req.request_id})
     assert d.step().scheduled == {req.request_id: 1}  # the last prompt token, computed here
     d.drain()

@@ -10,6 +10,7 @@ from kvdisagg.proxy.config import DecisionConfig
 from tests.support.proxy_harness import metric, proxy, run, until
 
 LONG = {"model": "tiny", "prompt": [5] * 100, "max_tokens": 2, "stream": True}
+EARLY_ON = DecisionConfig(local_prefill_tokens=10, early_decode=True)
 
 
 async def _send(env) -> tuple[int, str]:
@@ -20,7 +21,7 @@ async def _send(env) -> tuple[int, str]:
 
 def test_the_decode_leg_goes_out_with_the_prefill_leg_naming_the_same_handoff() -> None:
     async def t() -> None:
-        async with proxy(decision=DecisionConfig(local_prefill_tokens=10)) as env:
+        async with proxy(decision=EARLY_ON) as env:
             prefill, decode = env.prefill[0], env.decode[0]
             prefill.full_kv = True
             # No handoff from this prefill yet: its side channel is unknown, the ordinary way.
@@ -51,7 +52,7 @@ def test_the_decode_leg_goes_out_with_the_prefill_leg_naming_the_same_handoff() 
 
 def test_a_failed_prefill_cancels_the_early_decode_leg_and_serves_it_the_ordinary_way() -> None:
     async def t() -> None:
-        async with proxy(decision=DecisionConfig(local_prefill_tokens=10)) as env:
+        async with proxy(decision=EARLY_ON) as env:
             prefill, decode = env.prefill[0], env.decode[0]
             prefill.full_kv = True
             assert await _send(env) == (200, "pd")
@@ -73,7 +74,7 @@ def test_a_failed_prefill_cancels_the_early_decode_leg_and_serves_it_the_ordinar
 
 def test_a_failed_early_decode_leg_is_served_the_ordinary_way() -> None:
     async def t() -> None:
-        async with proxy(decision=DecisionConfig(local_prefill_tokens=10)) as env:
+        async with proxy(decision=EARLY_ON) as env:
             prefill, decode = env.prefill[0], env.decode[0]
             prefill.full_kv = True
             assert await _send(env) == (200, "pd")
@@ -89,10 +90,21 @@ def test_a_failed_early_decode_leg_is_served_the_ordinary_way() -> None:
 
 def test_always_disaggregate_keeps_the_ordinary_handoff() -> None:
     async def t() -> None:
-        async with proxy(decision=DecisionConfig(enabled=False)) as env:
+        async with proxy(decision=DecisionConfig(enabled=False, early_decode=True)) as env:
             env.prefill[0].full_kv = True
             for _ in range(2):
                 assert await _send(env) == (200, "pd")
             assert all("kvdisagg_early" not in s["body"]["kv_transfer_params"]
                        for s in env.prefill[0].seen)
+    run(t())
+
+
+def test_a_request_not_sent_early_keeps_the_prefill_policys_turn() -> None:
+    """The prefill is chosen once per request: an early try that is not taken (no handoff
+    seen from it yet) must not advance round_robin a second time."""
+    async def t() -> None:
+        async with proxy(n_prefill=2, decision=EARLY_ON) as env:
+            for _ in range(4):
+                assert await _send(env) == (200, "pd")
+            assert [len(p.seen) for p in env.prefill] == [2, 2]
     run(t())

@@ -107,3 +107,13 @@ def test_an_early_handoff_released_before_its_offer_is_freed_when_offered():
     assert table.release("early-4", "tok")
     assert table.add("early-4", "tok", [3], lease_s=30)
     assert table.take_finished() == {"early-4"} and table.expired_unread == 0
+    # Given up before its request even reached prefill: a Read waiting for it is refused now.
+    t, got = _pin_later(table, "early-5", "tok", [], 10.0, first_block=0, count=1,
+                        early_grace_s=10.0)
+    time.sleep(0.1)
+    assert table.release("early-5", "tok")
+    t.join(2)
+    assert got and "released by decode" in got[0][0]
+    table.expect("early-5", "tok")  # its request comes after all: nothing waits for it
+    assert table.add("early-5", "tok", [4], lease_s=30)
+    assert table.take_finished() == {"early-5"}
