@@ -201,12 +201,12 @@ def test_api_failures_are_errors_and_every_wait_is_bounded(sa: Path) -> None:
         async with kube_api() as (api, url):
             api.add("decode-0", DEC, "10.0.0.1")
             api.forbidden = True  # no RBAC
-            src = source(url, sa, timeout_s=0.5)
+            src = source(url, sa, timeout_s=3.0)  # wide: a loaded host answers late
             try:
                 t0 = time.monotonic()
                 with pytest.raises(DiscoveryError, match=r"HTTP 403 .*rbac.yaml.*forbidden"):
                     await src.resolve()
-                assert time.monotonic() - t0 < 0.4  # the answer, not the timeout
+                assert time.monotonic() - t0 < 2.0  # the answer, not the timeout
                 api.forbidden = False
                 await until(lambda: src.lists == 1, "the list once allowed")
                 assert await src.resolve() == [u("10.0.0.1")]
@@ -230,7 +230,7 @@ def test_api_failures_are_errors_and_every_wait_is_bounded(sa: Path) -> None:
             hung = source(url, sa, timeout_s=0.3, watch_timeout_s=0.3)
             try:
                 await hung.resolve()
-                await until(lambda: hung.watches >= 3, "hung watches given up", 5.0)
+                await until(lambda: hung.watches >= 3, "hung watches given up", 15.0)
             finally:
                 await hung.close()
         # nothing listening: resolve() fails within timeout_s
