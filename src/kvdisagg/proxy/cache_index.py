@@ -33,7 +33,7 @@ import zmq
 import zmq.asyncio
 
 from kvdisagg.proxy.kv_events import EventSource, EventStream, StreamState, source_from_publisher
-from kvdisagg.proxy.prefix_index import NO_EXTRA, BlockExtra, PrefixIndex
+from kvdisagg.proxy.prefix_index import NO_EXTRA, BlockExtra, Pending, PrefixIndex
 from kvdisagg.proxy.tokens import TokenizerConfig
 
 __all__ = ["CacheIndex", "CacheIndexConfig", "IndexState", "InstanceStatus"]
@@ -299,6 +299,15 @@ class CacheIndex:
             wanted = {_key(u) for u in instances}
             live = [u for u in live if u in wanted]
         return self.index.cached_tokens(token_ids, extra, live)
+
+    def note_pending(self, url: str, token_ids: Sequence[int],
+                     extra: BlockExtra = NO_EXTRA) -> Pending:
+        """``url`` computes this prompt: count its blocks as held there until
+        ``drop_pending`` (PrefixIndex.note_pending)."""
+        return self.index.note_pending(_key(url), token_ids, extra)
+
+    def drop_pending(self, pending: Pending) -> None:
+        self.index.drop_pending(pending)
 
     async def wait_live(self, url: str, timeout_s: float) -> bool:
         """Wait until ``url``'s index answers (True), is disabled or the time is up (False)."""

@@ -30,7 +30,7 @@ from typing import NamedTuple, Protocol
 from kvdisagg.proxy.body import ClientBody
 from kvdisagg.proxy.config import ProxyConfig
 from kvdisagg.proxy.policies import Policy, RouteRequest, Selection, SloAware, Verdict, load_score
-from kvdisagg.proxy.prefix_index import BlockExtra
+from kvdisagg.proxy.prefix_index import BlockExtra, Pending
 from kvdisagg.proxy.registry import Instance, Registry
 from kvdisagg.proxy.types import Side
 
@@ -47,6 +47,11 @@ class CacheView(Protocol):
                       ) -> dict[str, int]: ...
 
     def answering(self) -> list[str]: ...
+
+    def note_pending(self, url: str, token_ids: Sequence[int],
+                     extra: BlockExtra = ...) -> Pending: ...
+
+    def drop_pending(self, pending: Pending) -> None: ...
 
 
 class Decision(NamedTuple):

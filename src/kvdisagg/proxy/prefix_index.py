@@ -29,6 +29,13 @@ walks from block 0, so vLLM could not reach it either. Every loss of events is h
 dropping the instance's entries (kv_events.py), so the only wrong answers left are too-short
 ones: a wrong hint costs latency, never a request.
 
+Prompts being computed: vLLM publishes a block once the step that computed it is over, but a
+burst of prompts sharing a prefix (conversations starting from one system prompt) arrives
+before that. The proxy notes each prompt it sends as *pending* on the instance that computes it
+(``note_pending``) until shortly after that instance has computed it (``drop_pending``); a
+lookup counts a pending block as held, so the rest of the burst follows the first prompt
+instead of computing the prefix a second time elsewhere.
+
 Scope the index refuses rather than guesses (``Instance.disabled`` says why): several KV cache
 groups (hybrid models: each group has its own hit rule), block sizes changing mid-stream
 (partial blocks of a hash block size smaller than the block size). Events of other tiers
@@ -50,7 +57,8 @@ import msgspec
 
 from kvdisagg.proxy.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event, Hash
 
-__all__ = ["BlockExtra", "BlockKey", "Instance", "PrefixIndex", "block_keys", "vllm_hit_tokens"]
+__all__ = ["BlockExtra", "BlockKey", "Instance", "Pending", "PrefixIndex", "block_keys",
+           "vllm_hit_tokens"]
 
 log = logging.getLogger("kvdisagg.proxy.prefix_index")
 
@@ -136,6 +144,13 @@ def vllm_hit_tokens(held_blocks: int, prompt_len: int, block_size: int) -> int:
     return min(held_blocks, (prompt_len - 1) // block_size) * block_size
 
 
+class Pending(NamedTuple):
+    """A prompt noted as being computed on ``instance`` (its full blocks' keys)."""
+
+    instance: str
+    keys: tuple[BlockKey, ...]
+
+
 class _Entry:
     __slots__ = ("copies", "key")
 
@@ -188,6 +203,7 @@ class PrefixIndex:
         self.max_blocks = max_blocks
         self._instances: dict[str, Instance] = {}
         self._holders: dict[BlockKey, set[str]] = {}
+        self._pending: dict[BlockKey, dict[str, int]] = {}  # key -> instance -> prompts
 
     # -- membership -------------------------------------------------------------------------
 
@@ -348,6 +364,38 @@ class PrefixIndex:
         if not holders:
             del self._holders[key]
 
+    # -- prompts being computed -------------------------------------------------------------
+
+    def note_pending(self, instance: str, token_ids: Sequence[int],
+                     extra: BlockExtra = NO_EXTRA) -> Pending:
+        """``instance`` is computing ``token_ids``: until ``drop_pending``, lookups count its
+        full blocks as held there. Nothing is noted for an instance the index does not answer
+        for (its block size unknown). Raises ValueError for token ids outside [0, 2**32)."""
+        inst = self._instances.get(instance)
+        if inst is None or inst.disabled is not None or inst.block_size is None:
+            return Pending(instance, ())
+        keys = tuple(block_keys(token_ids, inst.block_size, extra,
+                                limit=(len(token_ids) - 1) // inst.block_size))
+        for key in keys:
+            by = self._pending.setdefault(key, {})
+            by[instance] = by.get(instance, 0) + 1
+        return Pending(instance, keys)
+
+    def drop_pending(self, pending: Pending) -> None:
+        for key in pending.keys:
+            by = self._pending.get(key)
+            if by is None or pending.instance not in by:
+                continue
+            by[pending.instance] -= 1
+            if not by[pending.instance]:
+                del by[pending.instance]
+                if not by:
+                    del self._pending[key]
+
+    @property
+    def pending_blocks(self) -> int:
+        return len(self._pending)
+
     # -- queries ----------------------------------------------------------------------------
 
     def cached_tokens(self, token_ids: Sequence[int], extra: BlockExtra = NO_EXTRA,
@@ -367,7 +415,7 @@ class PrefixIndex:
             if inst.disabled is not None:
                 continue
             out[inst.id] = 0
-            if inst.block_size is not None and inst.entries:
+            if inst.block_size is not None and (inst.entries or self._pending):
                 by_size.setdefault(inst.block_size, []).append(inst.id)
         n = len(token_ids)
         if not by_size:
@@ -380,7 +428,9 @@ class PrefixIndex:
             parent = ROOT
             for i in range(limit):
                 parent = _chain(parent, data[i * step:(i + 1) * step], extra.for_block(i))
-                holders = self._holders.get(parent)
+                holders = self._holders.get(parent, set())
+                if (pending := self._pending.get(parent)) is not None:
+                    holders = holders | pending.keys()
                 if not holders:
                     break
                 alive &= holders

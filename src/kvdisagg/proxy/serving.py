@@ -31,7 +31,7 @@ from kvdisagg.proxy.config import ProxyConfig
 from kvdisagg.proxy.decide import CacheView, Decider, Decision, Route
 from kvdisagg.proxy.decode import Opened, finish_body, open_decode, relay_stream
 from kvdisagg.proxy.metrics import Metrics
-from kvdisagg.proxy.policies import Policy
+from kvdisagg.proxy.policies import Policy, Selection
 from kvdisagg.proxy.prefill import Prefilled, choose_prefill, prefill
 from kvdisagg.proxy.prefix_index import BlockExtra
 from kvdisagg.proxy.registry import Instance, Registry
@@ -41,6 +41,9 @@ from kvdisagg.proxy.types import Side
 from kvdisagg.tracing import Tracer, end, traceparent_of, valid_traceparent
 
 log = logging.getLogger("kvdisagg.proxy")
+PENDING_GRACE_S = 2.0
+"""How long a prompt stays noted as computed on an instance after its leg answered: vLLM
+publishes the blocks after the step that computed them, and the KV events take a moment."""
 _RID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _now = time.perf_counter
 
@@ -180,13 +183,28 @@ class Serving:
             # prompt tokens a prefill leg queues (what ``prefill_backlogged`` weighs).
             ctx.body = ctx.body._replace(route=dataclasses.replace(ctx.body.route,
                                                                    prompt_tokens=len(ids)))
+        extra = BlockExtra(lora_name=None, cache_salt=_str(ctx.body.fields.get("cache_salt")))
         if ids is not None and self.cache is not None:
             try:
-                ctx.hits = self.cache.cached_tokens(ids, BlockExtra(
-                    lora_name=None, cache_salt=_str(ctx.body.fields.get("cache_salt"))))
+                ctx.hits = self.cache.cached_tokens(ids, extra)
             except ValueError:  # ids the index cannot hold: no prediction
-                ctx.hits = {}
+                ids, ctx.hits = None, {}
         decision = self.decider.decide(ctx.body, ctx.hits, avoid)
+        first = choose_prefill(self, ctx) if decision.route is Route.PD else None
+        # The prompt is being computed where it goes (prefill, or decode alone): until then
+        # the index counts it there, so the same prefix arriving meanwhile follows it.
+        computing = first.instance if first is not None else decision.decode.instance
+        cache = self.cache
+        if cache is None or ids is None or not isinstance(computing, Instance):
+            return await self._open(ctx, decision, first, avoid)
+        pending = cache.note_pending(computing.url, ids, extra)
+        try:
+            return await self._open(ctx, decision, first, avoid)
+        finally:
+            asyncio.get_running_loop().call_later(PENDING_GRACE_S, cache.drop_pending, pending)
+
+    async def _open(self, ctx: RequestCtx, decision: Decision, first: Selection | None,
+                    avoid: tuple[Instance, ...]) -> Opened | web.Response:
         log.debug("request %s: %s:%s, %d prompt tokens, %d cached on decode %s (threshold %d)",
                   ctx.rid, decision.route.value, decision.reason, ctx.body.route.prompt_tokens,
                   decision.cached_tokens, getattr(decision.decode.instance, "url", None),
@@ -196,8 +214,7 @@ class Serving:
                                      "kvdisagg.reason": decision.reason,
                                      "kvdisagg.cached_tokens": decision.cached_tokens,
                                      "kvdisagg.uncached_tokens": decision.uncached_tokens})
-        if decision.route is Route.PD:
-            first = choose_prefill(self, ctx)
+        if first is not None:
             if (not avoid and early.wanted(self, ctx)
                     and (opened := await early.open_early(self, ctx, decision, first))
                     is not None):

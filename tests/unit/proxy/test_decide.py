@@ -9,6 +9,7 @@ from typing import Any
 
 from kvdisagg.proxy.app import SERVING
 from kvdisagg.proxy.config import DecisionConfig, SloConfig
+from kvdisagg.proxy.prefix_index import Pending
 from kvdisagg.proxy.types import Side
 from tests.support.proxy_harness import metric, proxy, run, until
 
@@ -19,6 +20,7 @@ class FakeCache:
     def __init__(self, hits: dict[str, int]) -> None:
         self.hits = hits
         self.asked: list[Sequence[int]] = []
+        self.pending: list[str] = []  # instances noted as computing a prompt now
 
     def cached_tokens(self, token_ids: Sequence[int], extra: Any = None) -> dict[str, int]:
         self.asked.append(token_ids)
@@ -26,6 +28,13 @@ class FakeCache:
 
     def answering(self) -> list[str]:
         return list(self.hits)
+
+    def note_pending(self, url: str, token_ids: Sequence[int], extra: Any = None) -> Pending:
+        self.pending.append(url)
+        return Pending(url, ())
+
+    def drop_pending(self, pending: Pending) -> None:
+        self.pending.remove(pending.instance)
 
 
 def test_short_prompt_goes_to_decode_alone_long_one_is_disaggregated() -> None:
@@ -257,4 +266,26 @@ def test_prefill_legs_queue_the_exact_prompt_length_once_the_proxy_tokenizes() -
             assert await second == "decode_only:prefill_busy"
             assert await first == "pd"
             assert p.in_flight_tokens(Side.PREFILL) == 0 and d.local_prefill_tokens == 0
+    run(t())
+
+
+def test_a_prompt_is_noted_where_it_is_computed_until_shortly_after(monkeypatch) -> None:
+    """Decode alone: on decode; disaggregated: on the prefill. Dropped PENDING_GRACE_S after
+    its leg answered (the KV events have it by then)."""
+    from kvdisagg.proxy import serving as serving_module
+
+    monkeypatch.setattr(serving_module, "PENDING_GRACE_S", 0.2)
+
+    async def t() -> None:
+        async with proxy(decision=DecisionConfig(local_prefill_tokens=100)) as env:
+            cache = FakeCache({env.urls["d0"]: 0, env.urls["p0"]: 0})
+            env.client.server.app[SERVING].cache = cache
+            env.decode[0].delay_s = env.prefill[0].delay_s = 0.3
+            for n, where in ((50, "d0"), (1000, "p0")):
+                sent = asyncio.ensure_future(env.client.post("/v1/completions", json={
+                    "model": "tiny", "prompt": [5] * n, "max_tokens": 2}))
+                await until(lambda: cache.pending == [env.urls[where]], f"noted on {where}")
+                assert (await sent).status == 200
+                assert cache.pending == [env.urls[where]]  # still, for the events to come
+                await until(lambda: cache.pending == [], "dropped")
     run(t())

@@ -168,3 +168,26 @@ def test_keys_and_bad_ids() -> None:
         block_keys([1.5] * 4, BS)  # type: ignore[list-item]
     with pytest.raises(ValueError):
         block_keys([1 << 32] * 4, BS)
+
+
+def test_a_prompt_being_computed_counts_as_held_until_dropped() -> None:
+    """A burst sharing a prefix: the first prompt is noted on the instance computing it, so
+    the next, arriving before any event, predicts the hit there."""
+    idx = PrefixIndex()
+    idx.apply(A, [stored([1], None, T[:4])])
+    idx.apply(B, [stored([50], None, [9, 9, 9, 9])])  # B's block size is known, nothing shared
+    first = idx.note_pending(B, T[:13], BlockExtra(cache_salt="s"))
+    assert idx.cached_tokens(T[:13]) == {A: 4, B: 0}  # another salt: another prefix
+    second = idx.note_pending(B, T[:13])
+    assert idx.cached_tokens(T[:13]) == {A: 4, B: 12}
+    assert idx.cached_tokens(T[:10] + [7, 7, 7]) == {A: 4, B: 8}  # the shared blocks
+    again = idx.note_pending(B, T[:9])  # the same first blocks, noted twice
+    idx.drop_pending(second)
+    assert idx.cached_tokens(T[:13]) == {A: 4, B: 8}
+    idx.drop_pending(again)
+    idx.drop_pending(first)
+    idx.drop_pending(first)  # dropped twice: nothing below zero
+    assert idx.cached_tokens(T[:13]) == {A: 4, B: 0} and idx.pending_blocks == 0
+    # An instance whose block size is unknown (no event yet) gets nothing noted.
+    idx.add("http://c:8000")
+    assert idx.note_pending("http://c:8000", T[:13]).keys == ()
