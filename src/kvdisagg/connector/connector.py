@@ -17,6 +17,7 @@ from kvdisagg.connector.metadata import DisaggMetadata, DisaggWorkerMeta
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
@@ -82,10 +83,10 @@ class DisaggConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: Any) -> DisaggMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> DisaggMetadata:
         assert self._scheduler is not None
         return self._scheduler.build_connector_meta(
-            idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 1))
+            idle=scheduler_output.total_num_scheduled_tokens == 0)
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:

@@ -284,8 +284,9 @@ def test_a_prompt_is_noted_where_it_is_computed_until_shortly_after(monkeypatch)
             for n, where in ((50, "d0"), (1000, "p0")):
                 sent = asyncio.ensure_future(env.client.post("/v1/completions", json={
                     "model": "tiny", "prompt": [5] * n, "max_tokens": 2}))
-                await until(lambda: cache.pending == [env.urls[where]], f"noted on {where}")
+                url = env.urls[where]
+                await until(lambda u=url: cache.pending == [u], f"noted on {where}")
                 assert (await sent).status == 200
-                assert cache.pending == [env.urls[where]]  # still, for the events to come
+                assert cache.pending == [url]  # still, for the events to come
                 await until(lambda: cache.pending == [], "dropped")
     run(t())
