@@ -207,7 +207,8 @@ class Serving:
                     avoid: tuple[Instance, ...]) -> Opened | web.Response:
         log.debug("request %s: %s:%s, %d prompt tokens, %d cached on decode %s (threshold %d)",
                   ctx.rid, decision.route.value, decision.reason, ctx.body.route.prompt_tokens,
-                  decision.cached_tokens, getattr(decision.decode.instance, "url", None),
+                  decision.cached_tokens,
+                  decision.decode.instance.url if decision.decode.instance else None,
                   decision.threshold)
         if ctx.root is not None:
             ctx.root.set_attributes({"kvdisagg.route": decision.route.value,
