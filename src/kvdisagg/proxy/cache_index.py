@@ -33,7 +33,7 @@ import zmq
 import zmq.asyncio
 
 from kvdisagg.proxy.kv_events import EventSource, EventStream, StreamState, source_from_publisher
-from kvdisagg.proxy.prefix_index import NO_EXTRA, BlockExtra, Pending, PrefixIndex
+from kvdisagg.proxy.prefix_index import NO_EXTRA, BlockExtra, Lookup, Pending, PrefixIndex
 from kvdisagg.proxy.tokens import TokenizerConfig
 
 __all__ = ["CacheIndex", "CacheIndexConfig", "IndexState", "InstanceStatus"]
@@ -300,11 +300,15 @@ class CacheIndex:
             live = [u for u in live if u in wanted]
         return self.index.cached_tokens(token_ids, extra, live)
 
-    def note_pending(self, url: str, token_ids: Sequence[int],
-                     extra: BlockExtra = NO_EXTRA) -> Pending:
-        """``url`` computes this prompt: count its blocks as held there until
-        ``drop_pending`` (PrefixIndex.note_pending)."""
-        return self.index.note_pending(_key(url), token_ids, extra)
+    def lookup(self, token_ids: Sequence[int], extra: BlockExtra = NO_EXTRA) -> Lookup:
+        """``cached_tokens`` for every instance the index answers for, with the prompt's
+        block keys (for ``note_pending``)."""
+        return self.index.lookup(token_ids, extra, self.answering())
+
+    def note_pending(self, url: str, found: Lookup) -> Pending:
+        """``url`` computes the prompt ``found`` was looked up for: count its blocks as held
+        there until ``drop_pending`` (PrefixIndex.note_pending)."""
+        return self.index.note_pending(_key(url), found)
 
     def drop_pending(self, pending: Pending) -> None:
         self.index.drop_pending(pending)

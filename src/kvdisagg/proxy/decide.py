@@ -30,7 +30,7 @@ from typing import NamedTuple, Protocol
 from kvdisagg.proxy.body import ClientBody
 from kvdisagg.proxy.config import ProxyConfig
 from kvdisagg.proxy.policies import Policy, RouteRequest, Selection, SloAware, Verdict, load_score
-from kvdisagg.proxy.prefix_index import BlockExtra, Pending
+from kvdisagg.proxy.prefix_index import BlockExtra, Lookup, Pending
 from kvdisagg.proxy.registry import Instance, Registry
 from kvdisagg.proxy.types import Side
 
@@ -43,13 +43,11 @@ class Route(str, enum.Enum):
 class CacheView(Protocol):
     """What each instance's prefix cache holds of a prompt (cache_index.CacheIndex)."""
 
-    def cached_tokens(self, token_ids: Sequence[int], extra: BlockExtra = ...
-                      ) -> dict[str, int]: ...
-
     def answering(self) -> list[str]: ...
 
-    def note_pending(self, url: str, token_ids: Sequence[int],
-                     extra: BlockExtra = ...) -> Pending: ...
+    def lookup(self, token_ids: Sequence[int], extra: BlockExtra = ...) -> Lookup: ...
+
+    def note_pending(self, url: str, found: Lookup) -> Pending: ...
 
     def drop_pending(self, pending: Pending) -> None: ...
 

@@ -57,8 +57,8 @@ import msgspec
 
 from kvdisagg.proxy.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event, Hash
 
-__all__ = ["BlockExtra", "BlockKey", "Instance", "Pending", "PrefixIndex", "block_keys",
-           "vllm_hit_tokens"]
+__all__ = ["BlockExtra", "BlockKey", "Instance", "Lookup", "Pending", "PrefixIndex",
+           "block_keys", "vllm_hit_tokens"]
 
 log = logging.getLogger("kvdisagg.proxy.prefix_index")
 
@@ -142,6 +142,13 @@ def vllm_hit_tokens(held_blocks: int, prompt_len: int, block_size: int) -> int:
     if prompt_len <= 0:
         return 0
     return min(held_blocks, (prompt_len - 1) // block_size) * block_size
+
+
+class Lookup(NamedTuple):
+    hits: dict[str, int]
+    """Prompt tokens each instance would reuse (absent: the index cannot tell)."""
+    keys: dict[int, tuple[BlockKey, ...]]
+    """Per block size, the keys of the prompt's blocks that can be a hit."""
 
 
 class Pending(NamedTuple):
@@ -366,16 +373,14 @@ class PrefixIndex:
 
     # -- prompts being computed -------------------------------------------------------------
 
-    def note_pending(self, instance: str, token_ids: Sequence[int],
-                     extra: BlockExtra = NO_EXTRA) -> Pending:
-        """``instance`` is computing ``token_ids``: until ``drop_pending``, lookups count its
-        full blocks as held there. Nothing is noted for an instance the index does not answer
-        for (its block size unknown). Raises ValueError for token ids outside [0, 2**32)."""
+    def note_pending(self, instance: str, found: Lookup) -> Pending:
+        """``instance`` is computing the prompt of ``found`` (a ``lookup``, whose keys are
+        reused, not hashed again): until ``drop_pending``, lookups count its full blocks as
+        held there. Nothing is noted for an instance the index does not answer for."""
         inst = self._instances.get(instance)
         if inst is None or inst.disabled is not None or inst.block_size is None:
             return Pending(instance, ())
-        keys = tuple(block_keys(token_ids, inst.block_size, extra,
-                                limit=(len(token_ids) - 1) // inst.block_size))
+        keys = found.keys.get(inst.block_size, ())
         for key in keys:
             by = self._pending.setdefault(key, {})
             by[instance] = by.get(instance, 0) + 1
@@ -400,12 +405,19 @@ class PrefixIndex:
 
     def cached_tokens(self, token_ids: Sequence[int], extra: BlockExtra = NO_EXTRA,
                       instances: Iterable[str] | None = None) -> dict[str, int]:
-        """Prompt tokens each instance would take from its prefix cache for ``token_ids``.
+        """``lookup(...).hits``."""
+        return self.lookup(token_ids, extra, instances).hits
 
-        Whole leading blocks it holds, capped as vLLM caps a hit (the last prompt token is always
-        computed: ``vllm_hit_tokens``). Only instances the index answers for appear (a missing
-        instance: unknown, not zero). Does not modify the index. Raises ValueError for token ids
-        outside [0, 2**32).
+    def lookup(self, token_ids: Sequence[int], extra: BlockExtra = NO_EXTRA,
+               instances: Iterable[str] | None = None) -> Lookup:
+        """Prompt tokens each instance would take from its prefix cache for ``token_ids``, and
+        the keys of the prompt's blocks (for ``note_pending``).
+
+        Whole leading blocks it holds (or is computing: pending), capped as vLLM caps a hit
+        (the last prompt token is always computed: ``vllm_hit_tokens``). Only instances the
+        index answers for appear (a missing instance: unknown, not zero). Every block that can
+        be a hit is hashed once per block size, hit or not. Does not modify the index. Raises
+        ValueError for token ids outside [0, 2**32).
         """
         chosen = (self._instances.values() if instances is None
                   else [i for i in map(self._instances.get, instances) if i is not None])
@@ -415,27 +427,20 @@ class PrefixIndex:
             if inst.disabled is not None:
                 continue
             out[inst.id] = 0
-            if inst.block_size is not None and (inst.entries or self._pending):
+            if inst.block_size is not None:
                 by_size.setdefault(inst.block_size, []).append(inst.id)
         n = len(token_ids)
-        if not by_size:
-            return out
-        data = _token_bytes(token_ids[:max((n - 1) // bs * bs for bs in by_size)] if n else ())
+        keys = {bs: tuple(block_keys(token_ids, bs, extra, limit=(n - 1) // bs))
+                for bs in by_size} if n else {}
         for bs, ids in by_size.items():
             alive = set(ids)
-            limit = (n - 1) // bs if n else 0
-            step = 4 * bs
-            parent = ROOT
-            for i in range(limit):
-                parent = _chain(parent, data[i * step:(i + 1) * step], extra.for_block(i))
-                holders = self._holders.get(parent, set())
-                if (pending := self._pending.get(parent)) is not None:
+            for i, key in enumerate(keys.get(bs, ())):
+                holders = self._holders.get(key, set())
+                if (pending := self._pending.get(key)) is not None:
                     holders = holders | pending.keys()
-                if not holders:
-                    break
                 alive &= holders
                 if not alive:
                     break
                 for inst_id in alive:
                     out[inst_id] = (i + 1) * bs
-        return out
+        return Lookup(out, keys)

@@ -183,21 +183,23 @@ class Serving:
             # prompt tokens a prefill leg queues (what ``prefill_backlogged`` weighs).
             ctx.body = ctx.body._replace(route=dataclasses.replace(ctx.body.route,
                                                                    prompt_tokens=len(ids)))
-        extra = BlockExtra(lora_name=None, cache_salt=_str(ctx.body.fields.get("cache_salt")))
+        found = None
         if ids is not None and self.cache is not None:
             try:
-                ctx.hits = self.cache.cached_tokens(ids, extra)
+                found = self.cache.lookup(ids, BlockExtra(
+                    lora_name=None, cache_salt=_str(ctx.body.fields.get("cache_salt"))))
+                ctx.hits = found.hits
             except ValueError:  # ids the index cannot hold: no prediction
-                ids, ctx.hits = None, {}
+                ctx.hits = {}
         decision = self.decider.decide(ctx.body, ctx.hits, avoid)
         first = choose_prefill(self, ctx) if decision.route is Route.PD else None
         # The prompt is being computed where it goes (prefill, or decode alone): until then
         # the index counts it there, so the same prefix arriving meanwhile follows it.
         computing = first.instance if first is not None else decision.decode.instance
         cache = self.cache
-        if cache is None or ids is None or not isinstance(computing, Instance):
+        if cache is None or found is None or not isinstance(computing, Instance):
             return await self._open(ctx, decision, first, avoid)
-        pending = cache.note_pending(computing.url, ids, extra)
+        pending = cache.note_pending(computing.url, found)
         try:
             return await self._open(ctx, decision, first, avoid)
         finally:

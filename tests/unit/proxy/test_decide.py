@@ -9,7 +9,7 @@ from typing import Any
 
 from kvdisagg.proxy.app import SERVING
 from kvdisagg.proxy.config import DecisionConfig, SloConfig
-from kvdisagg.proxy.prefix_index import Pending
+from kvdisagg.proxy.prefix_index import Lookup, Pending
 from kvdisagg.proxy.types import Side
 from tests.support.proxy_harness import metric, proxy, run, until
 
@@ -22,14 +22,14 @@ class FakeCache:
         self.asked: list[Sequence[int]] = []
         self.pending: list[str] = []  # instances noted as computing a prompt now
 
-    def cached_tokens(self, token_ids: Sequence[int], extra: Any = None) -> dict[str, int]:
+    def lookup(self, token_ids: Sequence[int], extra: Any = None) -> Lookup:
         self.asked.append(token_ids)
-        return {u: min(h, len(token_ids)) for u, h in self.hits.items()}
+        return Lookup({u: min(h, len(token_ids)) for u, h in self.hits.items()}, {})
 
     def answering(self) -> list[str]:
         return list(self.hits)
 
-    def note_pending(self, url: str, token_ids: Sequence[int], extra: Any = None) -> Pending:
+    def note_pending(self, url: str, found: Lookup) -> Pending:
         self.pending.append(url)
         return Pending(url, ())
 

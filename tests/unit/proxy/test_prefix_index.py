@@ -176,12 +176,12 @@ def test_a_prompt_being_computed_counts_as_held_until_dropped() -> None:
     idx = PrefixIndex()
     idx.apply(A, [stored([1], None, T[:4])])
     idx.apply(B, [stored([50], None, [9, 9, 9, 9])])  # B's block size is known, nothing shared
-    first = idx.note_pending(B, T[:13], BlockExtra(cache_salt="s"))
+    first = idx.note_pending(B, idx.lookup(T[:13], BlockExtra(cache_salt="s")))
     assert idx.cached_tokens(T[:13]) == {A: 4, B: 0}  # another salt: another prefix
-    second = idx.note_pending(B, T[:13])
+    second = idx.note_pending(B, idx.lookup(T[:13]))
     assert idx.cached_tokens(T[:13]) == {A: 4, B: 12}
     assert idx.cached_tokens(T[:10] + [7, 7, 7]) == {A: 4, B: 8}  # the shared blocks
-    again = idx.note_pending(B, T[:9])  # the same first blocks, noted twice
+    again = idx.note_pending(B, idx.lookup(T[:9]))  # the same first blocks, noted twice
     idx.drop_pending(second)
     assert idx.cached_tokens(T[:13]) == {A: 4, B: 8}
     idx.drop_pending(again)
@@ -190,4 +190,4 @@ def test_a_prompt_being_computed_counts_as_held_until_dropped() -> None:
     assert idx.cached_tokens(T[:13]) == {A: 4, B: 0} and idx.pending_blocks == 0
     # An instance whose block size is unknown (no event yet) gets nothing noted.
     idx.add("http://c:8000")
-    assert idx.note_pending("http://c:8000", T[:13]).keys == ()
+    assert idx.note_pending("http://c:8000", idx.lookup(T[:13])).keys == ()
