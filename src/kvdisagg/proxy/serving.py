@@ -222,7 +222,7 @@ class Serving:
                     and (opened := await early.open_early(self, ctx, decision, first))
                     is not None):
                 if isinstance(opened, Opened):
-                    self._count(decision, Prefilled(opened.pre.kv))
+                    self._count(decision, opened.pre)
                 return opened
             pre = await prefill(self, ctx, first)
             if isinstance(pre, web.Response):

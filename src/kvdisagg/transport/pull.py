@@ -358,8 +358,8 @@ class PullTransport:
     def _pull_plan(self, fetch: Fetch, remote: Sequence[int] | None = None) -> PullPlan | None:
         """What decode reads: the fetch's Part (its layers this worker holds, its heads), or
         every layer and head (a Fetch without a Part: both sides sharded alike). None: the
-        Part only releases. ``remote``: prefill's blocks when the fetch does not name them
-        (early: prefill's grant does)."""
+        Part only releases. ``remote``: the prefill blocks to pair decode's with, instead of
+        the fetch's (an early fetch names none until prefill's grant)."""
         if fetch.part is None:
             layers = tuple(r.layer for r in self.regions)
             slices, heads = whole_slices(self.regions), (0, 0)
@@ -386,7 +386,8 @@ class PullTransport:
         if error := check_blocks(self.regions, fetch.local_block_ids):
             raise TransferFailed(f"decode's {error}")
         # Early: prefill's blocks come with its grant; until then the plan names the layers
-        # and heads to ask for (its runs are redone from the grant).
+        # and heads to ask for (its runs, paired with decode's own ids for now, are redone
+        # from the grant).
         plan = (self._pull_plan(fetch, fetch.local_block_ids if fetch.early else None)
                 if fetch.local_block_ids else None)
         try:
@@ -418,8 +419,8 @@ class PullTransport:
                     if len(reply.block_ids) != len(fetch.local_block_ids):
                         raise TransferFailed(f"{where} granted {len(reply.block_ids)} blocks "
                                              f"for {len(fetch.local_block_ids)}")
-                    plan = self._pull_plan(fetch, reply.block_ids)
-                    assert plan is not None
+                    plan = plan._replace(runs=copy_runs(len(plan.layers), reply.block_ids,
+                                                        fetch.local_block_ids))
                 nbytes = run_bytes(plan.slices, plan.runs)
                 if nbytes != reply.nbytes:
                     raise IncompatiblePeerError(f"{where} sends {reply.nbytes} bytes, "
