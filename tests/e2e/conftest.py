@@ -33,9 +33,9 @@ NOISE = ("Initializing KVConnectorBase_V1", "kv_connector_extra_config", "non-de
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
-    """On a failed e2e test: the noteworthy lines its instances logged while it ran."""
+    """On a failed e2e test or fixture: the noteworthy lines its instances logged meanwhile."""
     report = yield
-    if report.failed and call.when == "call" and LOG_DIR.exists():
+    if report.failed and call.when in ("setup", "call") and LOG_DIR.exists():
         since = call.start
         for log in sorted(LOG_DIR.rglob("*.log")):
             if log.stat().st_mtime < since:

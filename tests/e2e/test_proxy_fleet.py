@@ -150,9 +150,8 @@ class PD2:
         self.decode = VllmServer(model, log_path=self.log_dir / "decode.log",
                                  omp_threads_bind="nobind", extra_args=kv_transfer_args(
                                      "kv_consumer", {"transfer_timeout_seconds": 5.0}))
-        self.port, self.admin_port = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.admin_url = f"http://127.0.0.1:{self.admin_port}"
+        self.port = self.admin_port = 0  # picked once the instances are up (see start)
+        self.url = self.admin_url = ""
         self.proxy: subprocess.Popen[bytes] | None = None
         self.refs: list[str] = []
 
@@ -189,6 +188,11 @@ class PD2:
             s.start()
         for s in (*self.prefill, self.decode):
             s.wait_ready(900)
+        # Ports picked only now: three starting vLLM processes bind dozens of ephemeral ports,
+        # and one may be a port picked minutes earlier (the proxy then cannot listen).
+        self.port, self.admin_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.admin_url = f"http://127.0.0.1:{self.admin_port}"
         log = open(self.log_dir / "proxy.log", "wb")
         self.proxy = subprocess.Popen([sys.executable, "-m", "kvdisagg.cli", "proxy",
                                        "--config", str(self.config())],
@@ -196,6 +200,9 @@ class PD2:
         log.close()
 
         def ready() -> bool:
+            assert self.proxy is not None
+            if self.proxy.poll() is not None:
+                raise AssertionError(f"the proxy exited with {self.proxy.returncode}")
             try:
                 with urllib.request.urlopen(self.url + "/readiness", timeout=2) as r:
                     return json.loads(r.read())["prefill"]["healthy"] == 2
