@@ -21,8 +21,9 @@ transport is a pull transport (a store has no side channel: port 0). Otherwise, 
 migrated stream's continuation, the ordinary path.
 
 **Failure.** If the prefill leg fails first, the decode leg is cancelled (vLLM aborts it) and
-the request is served the ordinary way (another prefill, or decode alone, as ``prefill.py``
-decides); a client error (4xx) goes back as it came. If the decode leg fails, the prefill leg
+the request is served the ordinary way, that leg counted as its first prefill try (another
+prefill, or decode alone, as ``prefill.py`` decides); a client error (4xx) goes back as it
+came. If the decode leg fails, the prefill leg
 is cancelled and the request served the ordinary way. Both count as ``fell_back`` in
 ``kvdisagg_proxy_early_handoffs_total``. A handoff offered but never read is freed when its
 lease runs out.
@@ -44,7 +45,7 @@ from kvdisagg.proxy.decide import Decision
 from kvdisagg.proxy.decode import Opened, attempt
 from kvdisagg.proxy.legs import LegFailure
 from kvdisagg.proxy.policies import Selection, Verdict
-from kvdisagg.proxy.prefill import Prefilled, prefill_leg
+from kvdisagg.proxy.prefill import Prefilled, PrefillFailed, prefill_leg
 from kvdisagg.proxy.registry import Instance
 from kvdisagg.proxy.types import Side
 
@@ -79,10 +80,10 @@ def wanted(s: Serving, ctx: RequestCtx) -> bool:
 
 
 async def open_early(s: Serving, ctx: RequestCtx, decision: Decision, sel: Selection
-                     ) -> Opened | web.Response | None:
+                     ) -> Opened | web.Response | PrefillFailed | None:
     """A decode leg that answered, sent with its prefill leg to ``sel``'s prefill; the
-    client's error; or None: serve the request the ordinary way (not eligible, or the early
-    try failed)."""
+    client's error; the prefill leg that failed; or None: serve the request the ordinary way
+    (not eligible, or the decode leg failed)."""
     decode, inst = decision.decode.instance, sel.instance
     if not isinstance(decode, Instance) or decode not in s.registry.candidates(Side.DECODE):
         return None
@@ -104,7 +105,8 @@ async def open_early(s: Serving, ctx: RequestCtx, decision: Decision, sel: Selec
             s.metrics.early_handoff("fell_back")
             log.warning("request %s: early handoff: prefill failed (%s); serving it the "
                         "ordinary way", ctx.rid, failed.message)
-            return failed.client_error
+            return (failed.client_error if failed.client_error is not None
+                    else PrefillFailed(inst, failed))
         opened = await opening
     except BaseException:
         await _cancel(opening)

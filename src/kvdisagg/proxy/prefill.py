@@ -63,6 +63,14 @@ class Prefilled(NamedTuple):
         return "pd" if self.kv is not None else f"decode_only:{self.local_reason}"
 
 
+class PrefillFailed(NamedTuple):
+    """A prefill leg that failed before the retries began (an early handoff's): the retries
+    count it as their first try and go to another instance."""
+
+    instance: Instance
+    failure: LegFailure
+
+
 def choose_prefill(s: Serving, ctx: RequestCtx, tried: tuple[Instance, ...] = ()) -> Selection:
     """The prefill holding the longest cached prefix of the prompt (KV events), weighed with
     load; without a prediction, the prefill policy's pick."""
@@ -70,15 +78,16 @@ def choose_prefill(s: Serving, ctx: RequestCtx, tried: tuple[Instance, ...] = ()
                             s.registry.candidates(Side.PREFILL, tried), ctx.hits)
 
 
-async def prefill(s: Serving, ctx: RequestCtx, first: Selection | None = None
-                  ) -> Prefilled | web.Response:
+async def prefill(s: Serving, ctx: RequestCtx, first: Selection | None = None,
+                  failed: PrefillFailed | None = None) -> Prefilled | web.Response:
     """kv_transfer_params from some prefill instance, decode-only, or the client's answer.
-    ``first``: the prefill already chosen for the first try (a policy picks once per try)."""
+    ``first``: the prefill already chosen for the first try (a policy picks once per try);
+    ``failed``: a first try that already failed (``first`` then goes unused)."""
     cfg, reg = s.cfg, s.registry
-    tried: list[Instance] = []
-    failures: list[LegFailure] = []
-    missing_kv = False
-    for attempt in range(cfg.retry.prefill_attempts):
+    tried = [failed.instance] if failed is not None else []
+    failures = [failed.failure] if failed is not None else []
+    missing_kv = failed is not None and failed.failure.kind is FailKind.MISSING_KV_PARAMS
+    for attempt in range(len(tried), cfg.retry.prefill_attempts):
         if (attempt == 0 and first is not None
                 and (first.instance is None or first.instance in reg.candidates(Side.PREFILL))):
             sel = first

@@ -218,13 +218,13 @@ class Serving:
                                      "kvdisagg.cached_tokens": decision.cached_tokens,
                                      "kvdisagg.uncached_tokens": decision.uncached_tokens})
         if first is not None:
-            if (not avoid and early.wanted(self, ctx)
-                    and (opened := await early.open_early(self, ctx, decision, first))
-                    is not None):
-                if isinstance(opened, Opened):
-                    self._count(decision, opened.pre)
+            opened = (await early.open_early(self, ctx, decision, first)
+                      if not avoid and early.wanted(self, ctx) else None)
+            if isinstance(opened, Opened):
+                self._count(decision, opened.pre)
+            if isinstance(opened, Opened | web.Response):
                 return opened
-            pre = await prefill(self, ctx, first)
+            pre = await prefill(self, ctx, first, opened)
             if isinstance(pre, web.Response):
                 return pre
         else:

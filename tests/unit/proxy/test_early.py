@@ -58,10 +58,10 @@ def test_a_failed_prefill_cancels_the_early_decode_leg_and_serves_it_the_ordinar
             assert await _send(env) == (200, "pd")
             # (prefill answers after decode got its leg, which waits for the handoff)
             prefill.status, prefill.delay_s, decode.delay_s = 500, 0.2, 1.0
-            # early prefill fails -> decode leg aborted; the ordinary prefill fails too ->
-            # decode alone (retry.decode_only_fallback)
+            # early prefill fails -> decode leg aborted; it was the request's first prefill
+            # try and no other prefill is left -> decode alone (retry.decode_only_fallback)
             assert await _send(env) == (200, "decode_only:prefill_failed")
-            assert len(prefill.seen) == 3
+            assert len(prefill.seen) == 2
             await until(lambda: decode.aborted == 1, "decode's early leg aborted")
             text = await env.metrics()
             assert metric(text, "kvdisagg_proxy_early_handoffs_total", outcome="fell_back") == 1
@@ -69,6 +69,27 @@ def test_a_failed_prefill_cancels_the_early_decode_leg_and_serves_it_the_ordinar
             prefill.status = 400
             assert (await _send(env))[0] == 400
             await until(lambda: decode.aborted == 2, "decode's leg aborted")
+    run(t())
+
+
+def test_after_a_failed_early_prefill_the_retry_goes_to_another_prefill() -> None:
+    async def t() -> None:
+        async with proxy(n_prefill=2, decision=EARLY_ON) as env:
+            for p in env.prefill:
+                p.full_kv = True
+            for _ in range(2):  # round_robin: each prefill hands off once (its params known)
+                assert await _send(env) == (200, "pd")
+            assert [len(p.seen) for p in env.prefill] == [1, 1]
+            bad, good = env.prefill
+            bad.status, bad.delay_s, env.decode[0].delay_s = 500, 0.2, 1.0
+            assert await _send(env) == (200, "pd")  # early on `bad`, then the ordinary way
+            assert "kvdisagg_early" in bad.seen[1]["body"]["kv_transfer_params"]
+            assert [len(p.seen) for p in env.prefill] == [2, 2]  # `bad` not tried again
+            assert "kvdisagg_early" not in good.seen[1]["body"]["kv_transfer_params"]
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_early_handoffs_total", outcome="fell_back") == 1
+            assert metric(text, "kvdisagg_proxy_instance_retries_total",
+                          instance=env.urls[bad.name], side="prefill") == 1
     run(t())
 
 
