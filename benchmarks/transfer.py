@@ -13,13 +13,17 @@ Baselines, same bytes, same run:
 - lmcache-wire: the same chunks fetched with bare LMCache protocol GETs into one buffer
   (what LMCache's own LMCServerConnector does, minus its allocator), without our layer.
 
+With ``--burst N``, instead: N handoffs pulled at once on N threads (what decode's workers do
+with a burst of requests from one prefill: a Read each, on pooled connections) against one
+handoff of all their blocks. The gap is the most that one Read for several handoffs could save.
+
 And the cost of KV checksums (``kv_checksum``, integrity.py): every pull is timed twice per
 round, alternately, by two decode transports on the same prefill, one verifying (the default)
 and one not; the ``checksum`` column is the median with over the median without, minus one.
 For lmcache it is decode's verification only (prefill hashed the chunks when it stored them).
 
     .venv/bin/python benchmarks/transfer.py [--transports tcp,nccl,mooncake,lmcache]
-        [--repeats 5] [--max-mib 64]
+        [--repeats 5] [--max-mib 64] [--burst 4]
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -117,6 +122,25 @@ class Bench:
             times.append(time.perf_counter() - start)
         return statistics.median(times[2::2]), statistics.median(times[3::2])
 
+    def time_burst(self, n: int, nblocks: int, repeats: int) -> tuple[float, float]:
+        """Median seconds of ``n`` handoffs of ``nblocks`` each pulled at once, and of one
+        handoff of all their blocks, rounds alternating."""
+        remote = [[2 * (i * nblocks + j) for j in range(nblocks)] for i in range(n)]
+        local = [[i * nblocks + j for j in range(nblocks)] for i in range(n)]
+        apart, joined = [], []
+        with ThreadPoolExecutor(n) as pool:
+            for _ in range(repeats + 1):
+                calls = [self.fetch_once(r, loc)[1] for r, loc in zip(remote, local)]
+                start = time.perf_counter()
+                for done in [pool.submit(call) for call in calls]:
+                    done.result()
+                apart.append(time.perf_counter() - start)
+                one = self.fetch_once(sum(remote, []), sum(local, []))[1]
+                start = time.perf_counter()
+                one()
+                joined.append(time.perf_counter() - start)
+        return statistics.median(apart[1:]), statistics.median(joined[1:])
+
     def time_engine(self, remote: list[int], local: list[int], repeats: int) -> float | None:
         """The engine we drive, called directly on the same ranges (no side channel)."""
         if self.name == "mooncake":
@@ -170,7 +194,12 @@ def main() -> None:
     ap.add_argument("--transports", default="tcp,nccl,mooncake,lmcache")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--max-mib", type=int, default=64)
+    ap.add_argument("--burst", type=int, default=0, metavar="N",
+                    help="N handoffs at once vs one handoff of all their blocks, instead")
     args = ap.parse_args()
+    if args.burst:
+        burst(args)
+        return
     sizes = [s for s in (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20)
              if s <= args.max_mib << 20]
     num_blocks = 2 * max(sizes) // (PAGE * LAYERS) + 8
@@ -215,6 +244,34 @@ def main() -> None:
             finally:
                 bench.close()
     raw_proc.terminate()
+
+
+def burst(args: argparse.Namespace) -> None:
+    """N handoffs of each size pulled at once vs one handoff of all their blocks."""
+    n = args.burst
+    sizes = [s for s in (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
+             if n * s <= args.max_mib << 20]
+    num_blocks = 2 * n * max(sizes) // (PAGE * LAYERS) + 8
+    print(f"{'transport':>9} {'handoffs':>8} {'each':>8} {'apart ms':>8} {'one ms':>7} "
+          f"{'saved ms':>8} {'apart/one':>9}", flush=True)
+    with ExitStack() as stack:
+        lmcache = stack.enter_context(LMCacheServer()) if "lmcache" in args.transports else None
+        for name in args.transports.split(","):
+            extra: dict = {"transfer_timeout_seconds": 120.0}
+            if name == "mooncake":
+                extra["mooncake_protocol"] = "tcp"
+            if lmcache is not None and name == "lmcache":
+                extra |= {"lmcache_url": lmcache.url, "lmcache_chunk_tokens": CHUNK_TOKENS}
+            bench = Bench(name, extra, num_blocks)
+            try:
+                for size in sizes:
+                    nblocks = max(1, size // (PAGE * LAYERS))
+                    apart, one = bench.time_burst(n, nblocks, args.repeats)
+                    print(f"{name:>9} {n:>8} {_fmt(nblocks * PAGE * LAYERS):>8} "
+                          f"{apart * 1e3:>8.1f} {one * 1e3:>7.1f} {(apart - one) * 1e3:>8.1f} "
+                          f"{apart / one:>9.2f}", flush=True)
+            finally:
+                bench.close()
 
 
 def _fmt(n: int) -> str:
