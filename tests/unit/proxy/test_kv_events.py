@@ -87,7 +87,13 @@ class Publisher:
         self.start()
 
     def publish(self, *events: Any) -> None:
+        """Publish, and return once the publisher's thread sent the batch (and buffered it for
+        replay): a subscriber arriving next must find it there, not still queued."""
         self.pub.publish(kv_events.KVEventBatch(ts=time.time(), events=list(events)))
+        deadline = time.monotonic() + WAIT_S
+        while self.pub._event_queue.unfinished_tasks:
+            assert time.monotonic() < deadline, "vLLM's publisher thread sent nothing"
+            time.sleep(0.001)
 
     @property
     def source(self) -> EventSource:

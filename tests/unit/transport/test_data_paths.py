@@ -24,7 +24,7 @@ from kvdisagg.layout import (
 )
 from kvdisagg.transport import nccl
 from kvdisagg.transport.base import TRANSPORTS, transport_class
-from kvdisagg.transport.mooncake import MemoryInfo, MooncakeTransport, _address
+from kvdisagg.transport.mooncake import JoinedReads, MemoryInfo, MooncakeTransport, _address
 from kvdisagg.transport.nccl import NcclTransport, plan_messages, spans
 from kvdisagg.transport.pull import Deadline, PullPlan
 from kvdisagg.transport.tcp import TcpTransport
@@ -294,6 +294,7 @@ def test_mooncake_reads_a_window_per_block_at_both_sides_addresses() -> None:
             return 0
 
     transport.engine = Engine()
+    transport.reads = JoinedReads(transport.engine)
     plan = window(dst_regions, [3, 4], [0, 1], 0, 1, (1, 1))
     transport.recv(prefill, Sock(), plan, Deadline(5, "t"))
     ((local, remote, lengths),) = calls
