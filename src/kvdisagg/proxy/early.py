@@ -100,13 +100,12 @@ async def open_early(s: Serving, ctx: RequestCtx, decision: Decision, sel: Selec
     opening = asyncio.ensure_future(attempt(s, ctx, decode, Prefilled(kv), deadline))
     try:
         await asyncio.wait((prefilled, opening), return_when=asyncio.FIRST_COMPLETED)
-        if not opening.done() and isinstance(failed := prefilled.result(), LegFailure):
+        if not opening.done() and (failed := _failure(prefilled)) is not None:
             await _cancel(opening)
             s.metrics.early_handoff("fell_back")
             log.warning("request %s: early handoff: prefill failed (%s); serving it the "
                         "ordinary way", ctx.rid, failed.message)
-            return (failed.client_error if failed.client_error is not None
-                    else PrefillFailed(inst, failed))
+            return _retry_from(inst, failed)
         opened = await opening
     except BaseException:
         await _cancel(opening)
@@ -118,9 +117,24 @@ async def open_early(s: Serving, ctx: RequestCtx, decision: Decision, sel: Selec
         return opened
     await _cancel(prefilled)
     s.metrics.early_handoff("fell_back")
-    log.warning("request %s: early handoff: decode failed (%s); serving it the ordinary way",
-                ctx.rid, opened.failure.message)
-    return None
+    failed = _failure(prefilled)  # both legs may have ended in the same turn of the loop
+    log.warning("request %s: early handoff: decode failed (%s)%s; serving it the ordinary way",
+                ctx.rid, opened.failure.message,
+                "" if failed is None else f", prefill too ({failed.message})")
+    return None if failed is None else _retry_from(inst, failed)
+
+
+def _failure(prefilled: asyncio.Future[bytes | LegFailure]) -> LegFailure | None:
+    """The prefill leg's failure, if it ended with one."""
+    if not prefilled.done() or prefilled.cancelled() or prefilled.exception() is not None:
+        return None
+    res = prefilled.result()
+    return res if isinstance(res, LegFailure) else None
+
+
+def _retry_from(inst: Instance, failed: LegFailure) -> web.Response | PrefillFailed:
+    """The client's error as it came, or the failed leg the ordinary path counts as tried."""
+    return failed.client_error if failed.client_error is not None else PrefillFailed(inst, failed)
 
 
 async def _cancel(task: asyncio.Future[Any]) -> None:

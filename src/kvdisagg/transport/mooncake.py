@@ -133,35 +133,35 @@ class MooncakeTransport(PullTransport):
 class _Read:
     """One pull's ranges, waiting to be read (or, ``lead`` set, to lead the next reads)."""
 
-    __slots__ = ("endpoint", "local", "remote", "lengths", "woken", "lead", "error")
+    __slots__ = ("local", "remote", "lengths", "woken", "lead", "error")
 
-    def __init__(self, endpoint: str, local: list[int], remote: list[int],
-                 lengths: list[int]) -> None:
-        self.endpoint, self.local, self.remote, self.lengths = endpoint, local, remote, lengths
+    def __init__(self, local: list[int], remote: list[int], lengths: list[int]) -> None:
+        self.local, self.remote, self.lengths = local, remote, lengths
         self.woken = threading.Event()  # read, or handed the lead
         self.lead = False
         self.error: str | None = None
 
 
 class JoinedReads:
-    """Concurrent pulls' engine reads, issued together.
+    """Concurrent pulls' engine reads from one prefill, issued together.
 
     **Why.** Decode's workers pull a burst of handoffs on separate threads, and Mooncake's TCP
     transport slows down under concurrent batch reads: 8 handoffs of 4 MiB took 135 ms read
     apart against 64 ms as one read (``benchmarks/transfer.py --burst 8``). One batch of many
     ranges is what the engine is built for (RDMA posts them together too).
 
-    **How.** One thread at a time leads: it takes every read queued so far, its own included,
-    issues them per prefill endpoint, ``MAX_BATCH`` ranges at a time, wakes their pulls, and
-    hands the lead to the oldest read queued meanwhile. Nobody waits for a read that is not
-    in flight or first in line. A failed batch fails the reads it carried ranges of.
+    **How.** Per prefill endpoint, one thread at a time leads: it takes every read queued for
+    that endpoint so far, its own included, issues them ``MAX_BATCH`` ranges at a time, wakes
+    their pulls, and hands the lead to the oldest read queued meanwhile. Endpoints never wait
+    for each other (a slow prefill holds up only reads from itself). A failed batch fails the
+    reads it carried ranges of; a leader interrupted midway fails every read it took, so no
+    pull is told its bytes arrived unless the engine said so.
     """
 
     def __init__(self, engine: Any) -> None:
         self._engine = engine
         self._lock = threading.Lock()
-        self._queue: list[_Read] = []
-        self._leading = False
+        self._queues: dict[str, list[_Read]] = {}  # an endpoint's key exists while it has a lead
 
     def read(self, endpoint: str, local: list[int], remote: list[int],
              lengths: list[int]) -> str | None:
@@ -169,55 +169,60 @@ class JoinedReads:
         ``local[i]``; None, or why it failed."""
         if not lengths:
             return None
-        mine = _Read(endpoint, local, remote, lengths)
+        mine = _Read(local, remote, lengths)
         with self._lock:
-            self._queue.append(mine)
-            follow, self._leading = self._leading, True
-        if follow:
+            queue = self._queues.get(endpoint)
+            if queue is not None:  # a read from this endpoint is in flight: wait for it
+                queue.append(mine)
+            else:
+                self._queues[endpoint] = []
+        if queue is not None:
             mine.woken.wait()  # the engine's own timeouts bound the read in flight
             if not mine.lead:
                 return mine.error
-        with self._lock:
-            batch, self._queue = self._queue, []
+            with self._lock:
+                batch, self._queues[endpoint] = self._queues[endpoint], []
+        else:
+            batch = [mine]
+        issued = False
         try:
-            self._issue(batch)
+            self._issue(endpoint, batch)
+            issued = True
         finally:
             with self._lock:
-                if self._queue:
-                    self._queue[0].lead = True
-                    self._queue[0].woken.set()
+                if queue := self._queues[endpoint]:
+                    queue[0].lead = True
+                    queue[0].woken.set()
                 else:
-                    self._leading = False
+                    del self._queues[endpoint]
             for r in batch:
+                if not issued and r.error is None:
+                    r.error = f"reads from {endpoint} interrupted"
                 if r is not mine:
                     r.woken.set()
         return mine.error
 
-    def _issue(self, batch: list[_Read]) -> None:
-        by_endpoint: dict[str, list[_Read]] = {}
-        for r in batch:
-            by_endpoint.setdefault(r.endpoint, []).append(r)
-        for endpoint, reads in by_endpoint.items():
-            local = [a for r in reads for a in r.local]
-            remote = [a for r in reads for a in r.remote]
-            lengths = [n for r in reads for n in r.lengths]
-            ends, end = [], 0  # where each read's ranges end in the joined lists
-            for r in reads:
-                end += len(r.lengths)
-                ends.append(end)
-            for i in range(0, len(lengths), MAX_BATCH):
-                j = min(i + MAX_BATCH, len(lengths))
-                try:
-                    rc = self._engine.batch_transfer_sync_read(
-                        endpoint, local[i:j], remote[i:j], lengths[i:j])
-                except Exception as exc:  # not Mooncake's way, but a pull must not hang on it
-                    rc = repr(exc)
-                if rc == 0:
-                    continue
-                error = f"batch read of {j - i} ranges from {endpoint} returned {rc}"
-                for r, stop in zip(reads, ends):
-                    if stop - len(r.lengths) < j and stop > i and r.error is None:
-                        r.error = error
+    def _issue(self, endpoint: str, reads: list[_Read]) -> None:
+        local = [a for r in reads for a in r.local]
+        remote = [a for r in reads for a in r.remote]
+        lengths = [n for r in reads for n in r.lengths]
+        ends, end = [], 0  # where each read's ranges end in the joined lists
+        for r in reads:
+            end += len(r.lengths)
+            ends.append(end)
+        for i in range(0, len(lengths), MAX_BATCH):
+            j = min(i + MAX_BATCH, len(lengths))
+            try:
+                rc = self._engine.batch_transfer_sync_read(
+                    endpoint, local[i:j], remote[i:j], lengths[i:j])
+            except Exception as exc:  # not Mooncake's way, but a pull must not hang on it
+                rc = repr(exc)
+            if rc == 0:
+                continue
+            error = f"batch read of {j - i} ranges from {endpoint} returned {rc}"
+            for r, stop in zip(reads, ends):
+                if stop - len(r.lengths) < j and stop > i and r.error is None:
+                    r.error = error
 
 
 def _remote_slices(peer: MemoryInfo, plan: PullPlan) -> list[Slice]:
