@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -194,6 +195,23 @@ class VllmServer:
             self._log_file.close()
             self._log_file = None
         self.proc = None
+        for path in self._socket_files():  # a killed publisher leaves its ipc:// file behind
+            path.unlink(missing_ok=True)
+
+    def _socket_files(self) -> list[Path]:
+        """The ``ipc://`` socket files this instance's KV events publisher binds."""
+        args = self.extra_args
+        files = []
+        for i, arg in enumerate(args[:-1]):
+            if arg != "--kv-events-config":
+                continue
+            try:
+                endpoint = json.loads(args[i + 1]).get("endpoint") or ""
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(endpoint, str) and endpoint.startswith("ipc://"):
+                files.append(Path(endpoint.removeprefix("ipc://")))
+        return files
 
     def __enter__(self) -> VllmServer:
         if self.proc is None:
