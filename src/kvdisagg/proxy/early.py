@@ -23,10 +23,9 @@ migrated stream's continuation, the ordinary path.
 **Failure.** If the prefill leg fails first, the decode leg is cancelled (vLLM aborts it) and
 the request is served the ordinary way, that leg counted as its first prefill try (another
 prefill, or decode alone, as ``prefill.py`` decides); a client error (4xx) goes back as it
-came. If the decode leg fails, the prefill leg
-is cancelled and the request served the ordinary way. Both count as ``fell_back`` in
-``kvdisagg_proxy_early_handoffs_total``. A handoff offered but never read is freed when its
-lease runs out.
+came. If the decode leg fails, the prefill leg is cancelled and the request served the
+ordinary way. Both count as ``fell_back`` in ``kvdisagg_proxy_early_handoffs_total``. A
+handoff offered but never read is freed when its lease runs out.
 """
 
 from __future__ import annotations

@@ -190,9 +190,9 @@ class JoinedReads:
             issued = True
         finally:
             with self._lock:
-                if queue := self._queues[endpoint]:
-                    queue[0].lead = True
-                    queue[0].woken.set()
+                if waiting := self._queues[endpoint]:  # queued while this batch was in flight
+                    waiting[0].lead = True
+                    waiting[0].woken.set()
                 else:
                     del self._queues[endpoint]
             for r in batch:
