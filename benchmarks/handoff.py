@@ -71,6 +71,7 @@ class Client:
         self.url = url
         self.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
         self.route = ""  # the last answer's X-Kvdisagg-Handoff
+        self.second_s: float | None = None  # the last stream's second token event
 
     def first_token_s(self, body: dict[str, Any], rid: str) -> float:
         """Seconds until the first token: a stream's first event, or a whole 1-token answer."""
@@ -85,10 +86,13 @@ class Client:
         if not body.get("stream"):
             r.read()
             return time.perf_counter() - start
-        first = None
+        first = self.second_s = None
         while line := r.readline():
-            if first is None and line.startswith(b"data: {"):
-                first = time.perf_counter() - start
+            if line.startswith(b"data: {"):
+                if first is None:
+                    first = time.perf_counter() - start
+                elif self.second_s is None:
+                    self.second_s = time.perf_counter() - start
         assert first is not None, f"{rid}: no token event"
         return first
 
@@ -131,6 +135,9 @@ def main() -> None:
     ap.add_argument("--early", action="store_true",
                     help="with --decision: the default proxy sends decode legs early "
                     "(--early-decode); its prefill legs and what follows them are traced too")
+    ap.add_argument("--first-token", action="store_true",
+                    help="add P/D with the first token from prefill (the proxy's default; P/D "
+                    "above is the ordinary handoff), and both streams' second token")
     ap.add_argument("--out", type=Path, help="write every measurement here (JSON)")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/kvdisagg-handoff-bench"))
     args = ap.parse_args()
@@ -145,12 +152,16 @@ def main() -> None:
         long_ctx = ["--max-model-len", str(MAX_LEN)]  # the tiny model says 2048; RoPE stretches
         fleet = Fleet(ensure_tiny_model(), args.log_dir, prefill_extra=extra,
                       decode_extra=extra, prefill_args=long_ctx, decode_args=long_ctx,
-                      proxy_args=["--otlp-traces-endpoint", sink.url],
+                      proxy_args=["--otlp-traces-endpoint", sink.url,
+                                  "--no-first-token-from-prefill"],
                       env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"})
         with fleet:
             print(f"fleet up: {args.transport}, logs in {args.log_dir}", file=sys.stderr)
             prefill, proxy = Client(fleet.prefill.base_url), Client(fleet.proxy_url)
             more: dict[str, Client] = {}
+            if args.first_token:
+                more["first"] = Client(fleet.extra_proxy(["--always-disaggregate"],
+                                                         "proxy-first"))
             if args.decision:
                 more["local"] = Client(fleet.extra_proxy(
                     ["--local-prefill-tokens", str(10 * MAX_LEN)], "proxy-local"))
@@ -172,6 +183,7 @@ def main() -> None:
                     pd = proxy.first_token_s({**gen, "prompt": prompt(n, rng), "max_tokens": 2,
                                               "stream": True}, rid)
                     row = {"rid": rid, "alone": alone * 1e3, "pd": pd * 1e3,
+                           "pd_second": 1e3 * (proxy.second_s or float("nan")),
                            "sent_ns": sent_ns, "client_first_ns": sent_ns + int(pd * 1e9)}
                     for name, client in more.items():
                         row[f"{name}_rid"] = f"{name}{n}-{i}-{time.monotonic_ns()}"
@@ -180,6 +192,7 @@ def main() -> None:
                             {**gen, "prompt": prompt(n, rng), "max_tokens": 2,
                              "stream": True}, row[f"{name}_rid"])
                         row[f"{name}_route"] = client.route
+                        row[f"{name}_second"] = 1e3 * (client.second_s or float("nan"))
                     rows.append(row)
                     print(f"{n:5d} tokens round {i + 1}/{args.rounds}: alone "
                           f"{alone * 1e3:7.1f} ms, P/D {pd * 1e3:7.1f} ms"
@@ -214,6 +227,10 @@ def main() -> None:
         pd = statistics.median(r["pd"] for r in rows)
         overhead = statistics.median(r["pd"] - r["alone"] for r in rows)
         decision = {}
+        if "first" in rows[0]:
+            decision = {k: statistics.median(r[k] for r in rows)
+                        for k in ("first", "first_second", "pd_second")}
+            decision["first_routes"] = sorted({r["first_route"] for r in rows})
         if "local" in rows[0]:
             routes: dict[str, int] = {}
             for r in rows:
@@ -262,6 +279,17 @@ def _print(table: list[dict[str, Any]]) -> None:
         cells = [f"{row[c]:.1f}" if c in row else "-" for c in cols]
         print(f"| {row['tokens']} | " + " | ".join(cells) + f" | {met} |")
     print("(p50 over rounds, ms; overhead = P/D TTFT - prefill alone; goal: overhead <= pull + 8)")
+    if table and "first" in table[0]:
+        print("\n| tokens | prefill alone | P/D | P/D, first token from prefill | P/D - prefill "
+              "alone | first from prefill - prefill alone | P/D 2nd token | first from prefill "
+              "2nd token |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in table:
+            print(f"| {r['tokens']} | {r['alone']:.1f} | {r['pd']:.1f} | {r['first']:.1f} | "
+                  f"{r['overhead']:.1f} | {r['first'] - r['alone']:.1f} | "
+                  f"{r['pd_second']:.1f} | {r['first_second']:.1f} |")
+        print("(p50 over rounds, ms from sending; P/D: the ordinary handoff; 2nd token: the "
+              "stream's second token event, max_tokens 2)")
     if table and "local" in table[0]:
         print("\n| tokens | prefill alone | P/D | decode alone | default decision | its routes "
               "| of which early | P/D - prefill alone | default - prefill alone "

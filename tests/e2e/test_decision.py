@@ -163,3 +163,84 @@ def test_early_handoffs_pull_once_by_position_and_match_the_plain_instance(fleet
     assert settled(d, "vllm:kvdisagg_pulls_total") - pulls == 3  # the KV really moved, once
     offered, freed = wait_handoffs_freed(fleet.prefill.base_url)
     assert offered == freed  # nothing held at prefill
+
+
+def stream_events(base: str, path: str, body: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
+    req = urllib.request.Request(base + path, json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json"})
+    events = []
+    with urllib.request.urlopen(req, timeout=300) as r:
+        route = r.headers.get("X-Kvdisagg-Handoff", "")
+        lines = [line.strip() for line in r]
+    assert lines[-2:] == [b"data: [DONE]", b""], lines[-3:]
+    for line in lines:
+        if line.startswith(b"data: {"):
+            events.append(json.loads(line[6:]))
+    return events, route
+
+
+def streamed(events: list[dict[str, Any]], chat: bool) -> tuple[list[int], str, list[Any]]:
+    """Token ids, text and finish reasons of one answer's events; every event one id."""
+    ids, text, finish = [], "", []
+    assert len({e["id"] for e in events}) == 1, "one id for the whole stream"
+    for e in events:
+        for c in e["choices"]:
+            ids += c.get("token_ids") or []
+            text += (c["delta"].get("content") or "") if chat else c["text"]
+            finish.append(c["finish_reason"])
+    return ids, text, [f for f in finish if f is not None]
+
+
+def test_a_disaggregated_stream_starts_with_prefills_first_token(fleet):
+    """The first token is prefill's; decode continues after it (its prompt one token longer,
+    the prompt's KV pulled, not recomputed): events, ids, text and usage as the plain
+    instance streams them. Not eligible (a seed): the ordinary handoff, same answer."""
+    d, ref, proxy = fleet.decode.base_url, fleet.reference.base_url, fleet.proxy_url
+    # Text, not random ids: the tiny model's first token for a random prompt is often bytes
+    # of a character, which vLLM holds back (no text): the ordinary handoff then.
+    text = "The keeper counted the waves and wrote each one in his book. " * 40
+    body = {**GEN, "prompt": text, "stream_options": {"include_usage": True}}
+    sent = metric(proxy, "kvdisagg_proxy_first_tokens_from_prefill_total", outcome="sent")
+    pulls = metric(d, "vllm:kvdisagg_pulls_total")
+    prompt_tokens = metric(d, "vllm:prompt_tokens_total")
+    got, route = stream_events(proxy, "/v1/completions", body)
+    want, _ = stream_events(ref, "/v1/completions", body)
+    assert route == "pd"
+    assert metric(proxy, "kvdisagg_proxy_first_tokens_from_prefill_total",
+                  outcome="sent") == sent + 1
+    assert streamed(got, False) == streamed(want, False)
+    prompt = want[0]["choices"][0]["prompt_token_ids"]
+    assert got[0]["choices"][0]["prompt_token_ids"] == prompt and len(prompt) > 512
+    assert got[-1]["usage"] == want[-1]["usage"] == {
+        "prompt_tokens": len(prompt), "completion_tokens": 16,
+        "total_tokens": len(prompt) + 16}
+    assert settled(d, "vllm:kvdisagg_pulls_total") - pulls == 1  # the KV moved
+    # decode's prompt was the prompt plus prefill's token
+    assert metric(d, "vllm:prompt_tokens_total") - prompt_tokens == len(prompt) + 1
+
+    # chat, the client not asking for token ids: none in the events, text as plain's
+    system = "Tides keep their own counsel and the moon keeps theirs. " * 50
+    chat = {"model": "tiny", "temperature": 0, "max_tokens": 12, "ignore_eos": True,
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": "What do tides say?"}]}
+    got, route = stream_events(proxy, "/v1/chat/completions", chat)
+    want, _ = stream_events(ref, "/v1/chat/completions", chat)
+    assert route == "pd"
+    assert metric(proxy, "kvdisagg_proxy_first_tokens_from_prefill_total",
+                  outcome="sent") == sent + 2
+    assert got[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [e["choices"][0]["delta"].get("role") for e in got].count("assistant") == 1
+    assert streamed(got, True) == streamed(want, True)
+    # the same events a plain instance streams, but for their id, time and instance
+    same = {"id": "", "created": 0, "system_fingerprint": ""}
+    assert [{**e, **same} for e in got] == [{**e, **same} for e in want]
+
+    # a seed: decode samples every token, as the plain instance does
+    seeded = {**body, "prompt": "Gulls " + text, "seed": 5, "temperature": 1.0}
+    got, route = stream_events(proxy, "/v1/completions", seeded)
+    want, _ = stream_events(ref, "/v1/completions", seeded)
+    assert route == "pd"
+    assert metric(proxy, "kvdisagg_proxy_first_tokens_from_prefill_total",
+                  outcome="sent") == sent + 2
+    assert streamed(got, False) == streamed(want, False)
+    wait_handoffs_freed(fleet.prefill.base_url)

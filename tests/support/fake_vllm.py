@@ -46,6 +46,7 @@ class FakeVllm:
         self.active = 0  # generation requests being answered (its running gauge)
         self.kv_load_failures = 0  # the next N decode legs with KV fail as vLLM does (policy fail)
         self.recomputed: dict[str, int] = {}  # vllm:kvdisagg_recomputed_prompts_total by reason
+        self.max_model_len: int | None = None  # listed by /v1/models when set
         self.seen: list[dict[str, Any]] = []
         self.aborted = 0  # requests whose client (the proxy) went away before the end
         self._ids = itertools.count()
@@ -91,6 +92,16 @@ class FakeVllm:
             if kv.get("do_remote_decode"):
                 out: dict[str, Any] = {"id": f"cmpl-{self.name}", "object": "text_completion",
                                        "choices": [{"index": 0, "text": "x"}]}
+                if body.get("return_token_ids") is True:  # the first token, as vLLM says it
+                    pids = _prompt_ids(body, chat)
+                    choice = out["choices"][0]
+                    choice |= {"finish_reason": "length", "stop_reason": None,
+                               "token_ids": [99]}
+                    if chat:
+                        out |= {"id": f"chatcmpl-{self.name}", "prompt_token_ids": pids}
+                        choice["message"] = {"role": "assistant", "content": choice.pop("text")}
+                    else:
+                        choice["prompt_token_ids"] = pids
                 if self.with_kv:
                     out["kv_transfer_params"] = self.kv_params()
                 return web.Response(body=_enc(out), content_type="application/json")
@@ -117,8 +128,8 @@ class FakeVllm:
     async def _stream(self, request: web.Request, chat: bool, tokens: int | None = None,
                       body: dict[str, Any] | None = None) -> web.StreamResponse:
         """Events shaped as vLLM 0.32 writes them: completions carry ``prompt_token_ids`` and
-        ``token_ids`` (null unless ``return_token_ids``), chat starts with a role chunk and
-        carries ids only when asked. Token k of an answer is ``t{k}`` (id 100 + k); a prompt
+        ``token_ids`` (null unless ``return_token_ids``), chat too, starting with a role chunk.
+        Token k of an answer is ``t{k}`` (id 100 + k); a prompt
         that ends with ids >= 100 (a migrated stream's continuation) continues the count."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -133,8 +144,7 @@ class FakeVllm:
             for j in range(n):
                 role: dict[str, Any] = {"id": rid, "choices": [
                     {"index": j, "delta": {"role": "assistant", "content": ""}}]}
-                if ids:
-                    role |= {"prompt_token_ids": pids, "prompt_text": None}
+                role |= {"prompt_token_ids": pids if ids else None, "prompt_text": None}
                 await resp.write(b"data: " + _enc(role) + b"\n\n")
         for i in range(count):
             if self.token_delay_s:
@@ -155,9 +165,8 @@ class FakeVllm:
             for j in range(n):
                 choice: dict[str, Any]
                 if chat:
-                    choice = {"index": j, "delta": {"content": f"t{k} "}}
-                    if ids:
-                        choice["token_ids"] = [100 + k]
+                    choice = {"index": j, "delta": {"content": f"t{k} "},
+                              "token_ids": [100 + k] if ids else None}
                 else:
                     choice = {"index": j, "text": f"t{k} ",
                               "prompt_token_ids": pids if ids and i == 0 else None,
@@ -206,7 +215,10 @@ class FakeVllm:
         return web.Response(text=text)
 
     async def models(self, _request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "tiny"}]})
+        card: dict[str, Any] = {"id": "tiny"}
+        if self.max_model_len is not None:
+            card["max_model_len"] = self.max_model_len
+        return web.json_response({"object": "list", "data": [card]})
 
     async def other(self, request: web.Request) -> web.Response:
         """Any other vLLM route: echoes what it got (a control route must never be reached)."""

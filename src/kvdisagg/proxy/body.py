@@ -153,12 +153,15 @@ def _client_slo(params: Any) -> dict[str, Any] | None:
 
 
 def prefill_body(body: ClientBody, trace: str = "",
-                 early: dict[str, str] | None = None) -> bytes:
+                 early: dict[str, str] | None = None, token_ids: bool = False) -> bytes:
     """One token, never streamed, with ``do_remote_decode`` so prefill keeps the KV;
     ``trace``: the prefill leg's traceparent, for the connector's spans; ``early``: the
-    handoff's id and token when decode's leg went out already (early.py)."""
+    handoff's id and token when decode's leg went out already (early.py); ``token_ids``: ask
+    for ``return_token_ids`` (the first token goes to the client, first_token.py)."""
     out = dict(body.fields)
     out["stream"] = False
+    if token_ids:
+        out["return_token_ids"] = True
     out["max_tokens"] = 1
     if body.chat or "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1

@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--early-decode", action="store_true",
                    help="send a disaggregated request's decode leg together with its prefill "
                    "leg when the prefill is idle (decision.early_decode; docs/proxy.md)")
+    p.add_argument("--no-first-token-from-prefill", action="store_true",
+                   help="a disaggregated stream's first token comes from decode, after the "
+                   "handoff (decision.first_token_from_prefill false; docs/proxy.md)")
     p.add_argument("--tokenizer", metavar="DIR",
                    help="the served model's tokenizer (a model directory): request token ids "
                    "are worked out in the proxy for cache-hit predictions (else vLLM's "
@@ -107,7 +110,9 @@ def config_from_args(args: argparse.Namespace):  # -> ProxyConfig
         cfg = rep(cfg, retry=rep(cfg.retry, decode_only_fallback=False))
     dec = {k: v for k, v in (("enabled", False if args.always_disaggregate else None),
                              ("local_prefill_tokens", args.local_prefill_tokens),
-                             ("early_decode", True if args.early_decode else None))
+                             ("early_decode", True if args.early_decode else None),
+                             ("first_token_from_prefill",
+                              False if args.no_first_token_from_prefill else None))
            if v is not None}
     if dec:
         cfg = rep(cfg, decision=rep(cfg.decision, **dec))

@@ -142,6 +142,11 @@ class DecisionConfig(_Base):
     prefill is idle (early.py): decode's intake and admission overlap the prefill. Off by
     default: vLLM's engine loop spins while a request waits for its KV, which on hosts where
     prefill and decode share CPU cores costs prefill more than it saves (benchmarks.md)."""
+    first_token_from_prefill: bool = True
+    """A disaggregated stream's first token is prefill's, sent to the client as soon as
+    prefill answers; decode continues after it (first_token.py). TTFT is then prefill's, not
+    prefill's plus the handoff. Only for requests whose answer this cannot change (n 1, no
+    logprobs, stop strings, seed, penalties on output, structured output; docs/proxy.md)."""
     idle_decode_tokens: Annotated[int, msgspec.Meta(ge=0)] = 4096
     """A decode with no stream to protect (nothing in flight but prompts it computes itself)
     computes a longer prompt too, when every prefill has a queue at least as long (in prompt

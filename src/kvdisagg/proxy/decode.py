@@ -28,6 +28,7 @@ from aiohttp import web
 from kvdisagg.compat._aiohttp import HeadersWithFirstChunk
 from kvdisagg.errors import UpstreamError, UpstreamTimeout
 from kvdisagg.proxy import body as bodies
+from kvdisagg.proxy.first_token import Led
 from kvdisagg.proxy.legs import (
     RETRYABLE_STATUS,
     FailKind,
@@ -249,26 +250,73 @@ async def relay_stream(s: Serving, request: web.Request, ctx: RequestCtx,
     hands the rest of the answer to another one (migrate.py) up to ``retry.migrations``
     times. Only ``decode_total_s`` bounds a leg (a stream may take as long as generation),
     and ``decode_idle_s`` the silence between chunks."""
-    m = s.metrics
-    out = HeadersWithFirstChunk(status=opened.resp.status,
-                  headers=out_headers(ctx, opened, opened.pre.header))
-    out.headers["Cache-Control"] = "no-cache"
-    chunked = request.version >= (1, 1)
-    if chunked:
-        out.enable_chunked_encoding()
+    out = _stream_response(request, out_headers(ctx, opened, opened.pre.header),
+                           opened.resp.status)
     first = _now()
-    m.decode_first_token.observe(first - opened.sent_at)
+    s.metrics.decode_first_token.observe(first - opened.sent_at)
     event(opened.leg.span, "first_token")
     tap = (Tap(ctx.body.chat, strip=not wants_token_ids(ctx.body.fields))
            if migratable(s, ctx.body) else None)
-    stats = [0, first]  # SSE events seen, time of the last one
+    return await _relay(s, request, ctx, out, opened, tap, ctx.body, [0, first], False)
+
+
+async def relay_led(s: Serving, request: web.Request, ctx: RequestCtx,
+                    led: Led) -> tuple[web.StreamResponse, str]:
+    """A stream whose first token prefill gave (first_token.py): that token to the client at
+    once, then the decode leg that continues it, relayed as ``relay_stream`` does. A decode
+    leg that cannot be opened (every retry failed) ends the stream with an error event."""
+    out = _stream_response(request, {"Content-Type": "text/event-stream; charset=utf-8",
+                                     "X-Request-Id": ctx.rid,
+                                     "X-Kvdisagg-Handoff": led.pre.header}, 200)
+    await out.prepare(request)
+    await out.write(led.events)
+    first = _now()
+    event(ctx.root, "first_token_from_prefill")
+    opened = await open_decode(s, ctx.with_body(led.body), led.pre, led.decode, led.avoid)
+    if isinstance(opened, web.Response) or not 200 <= opened.resp.status < 300:
+        if isinstance(opened, Opened):  # an error status: its body says why
+            opened.leg.close(Outcome.OK)
+            status = opened.resp.status
+            why = (opened.head or b"")[:300].decode("utf-8", "replace")
+        else:
+            status, why = opened.status, (opened.text or "")[:300]
+        await out.write(error_event(status, f"decode failed after the first token: {why}"))
+        await out.write_eof()
+        return out, "error"
+    s.metrics.decode_first_token.observe(_now() - opened.sent_at)
+    event(opened.leg.span, "first_token")
+    tap = Tap(ctx.body.chat, led.tap.strip, resumed=led.tap)
+    stats = [led.events.count(b"data:"), first]
+    return await _relay(s, request, ctx, out, opened, tap, led.body, stats, True)
+
+
+def _stream_response(request: web.Request, headers: dict[str, str], status: int
+                     ) -> web.StreamResponse:
+    out = HeadersWithFirstChunk(status=status, headers=headers)
+    out.headers["Cache-Control"] = "no-cache"
+    if request.version >= (1, 1):
+        out.enable_chunked_encoding()
+    return out
+
+
+async def _relay(s: Serving, request: web.Request, ctx: RequestCtx, out: web.StreamResponse,
+                 opened: Opened, tap: Tap | None, body: bodies.ClientBody, stats: list[Any],
+                 prepared: bool) -> tuple[web.StreamResponse, str]:
+    """``opened``'s stream to the client (``out``, headers sent when ``prepared``), with
+    migrations; ``stats``: SSE events the client got so far and when the first came."""
+    m = s.metrics
+    first = stats[1]
+    chunked = request.version >= (1, 1)
     outcome, result = "error", Outcome.BROKEN
-    leg, body, moves = opened, ctx.body, 0
+    leg, moves = opened, 0
     try:
         head = await _first_events(leg, tap, s.cfg.timeouts.decode_idle_s)
-        await out.prepare(request)
+        if not prepared:
+            await out.prepare(request)
         if head:
-            stats[0] = head.count(b"data:")
+            stats[0] += head.count(b"data:")
+            if prepared:
+                stats[1] = _now()
             await out.write(head)  # with the headers, through aiohttp's writer
             event(leg.leg.span, "first_byte")
         while True:

@@ -123,7 +123,7 @@ async def open_early(s: Serving, ctx: RequestCtx, decision: Decision, sel: Selec
     return None if failed is None else _retry_from(inst, failed)
 
 
-def _failure(prefilled: asyncio.Future[bytes | LegFailure]) -> LegFailure | None:
+def _failure(prefilled: asyncio.Future[Prefilled | LegFailure]) -> LegFailure | None:
     """The prefill leg's failure, if it ended with one."""
     if not prefilled.done() or prefilled.cancelled() or prefilled.exception() is not None:
         return None

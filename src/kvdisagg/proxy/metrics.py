@@ -72,6 +72,7 @@ class Metrics:
         self.routes: dict[tuple[str, str], int] = {}
         self.migrations: dict[str, int] = {}
         self.early: dict[str, int] = {}
+        self.first_tokens: dict[str, int] = {}
         self.predicted_hits: dict[str, int] = {}
         # the cache index (app.py sets it), for its per-instance gauges
         self.cache: CacheIndex | None = None
@@ -114,6 +115,12 @@ class Metrics:
         """A decode leg sent together with its prefill leg (early.py): ``opened`` (decode
         answered), or ``fell_back`` (it failed: served the ordinary way)."""
         self.early[outcome] = self.early.get(outcome, 0) + 1
+
+    def first_token(self, outcome: str) -> None:
+        """A disaggregated stream eligible for prefill's first token (first_token.py): ``sent``
+        (the client got it when prefill answered), or ``ordinary`` (prefill's answer was no
+        ordinary first token: decode gave it, after the handoff)."""
+        self.first_tokens[outcome] = self.first_tokens.get(outcome, 0) + 1
 
     def predicted_hit(self, url: str, tokens: int) -> None:
         """Prompt tokens the index predicted ``url`` would reuse for a request sent there;
@@ -219,6 +226,11 @@ class Metrics:
             f"# TYPE {P}early_handoffs_total counter\n")
         for outcome, n in sorted(self.early.items()):
             add(f"{P}early_handoffs_total{_labels(outcome=outcome)} {n}\n")
+        add(f"# HELP {P}first_tokens_from_prefill_total Disaggregated streams eligible for "
+            f"prefill's first token, by outcome (sent: when prefill answered; ordinary: decode "
+            f"gave it).\n# TYPE {P}first_tokens_from_prefill_total counter\n")
+        for outcome, n in sorted(self.first_tokens.items()):
+            add(f"{P}first_tokens_from_prefill_total{_labels(outcome=outcome)} {n}\n")
         add(f"# HELP {P}predicted_cached_tokens_total Prompt tokens the cache index "
             f"predicted each decode would reuse, over the requests sent to it (compare with "
             f"its vllm:prefix_cache_hits_total).\n"

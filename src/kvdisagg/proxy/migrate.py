@@ -37,10 +37,6 @@ _encode = msgspec.json.Encoder().encode
 
 _TOKEN_IDS = re.compile(rb'"token_ids":(\[[0-9, ]*\])')
 _PROMPT_IDS = re.compile(rb'"prompt_token_ids":(\[[0-9, ]*\])')
-# What a plain vLLM stream carries where return_token_ids would have put ids (vLLM 0.32):
-# completions keep both keys as null, chat omits them.
-_CHAT_TOKEN_IDS = re.compile(rb',"token_ids":\[[0-9, ]*\]')
-_CHAT_PROMPT_IDS = re.compile(rb',"prompt_token_ids":\[[0-9, ]*\],"prompt_text":null')
 
 
 def wants_token_ids(fields: dict[str, Any]) -> bool:
@@ -86,12 +82,9 @@ class Tap:
             self.id = m.group(1)
         if self.resumed:
             data = self._as_original(data)
-        if self.strip:
-            if self.chat:
-                data = _CHAT_PROMPT_IDS.sub(b"", _CHAT_TOKEN_IDS.sub(b"", data))
-            else:
-                data = _PROMPT_IDS.sub(b'"prompt_token_ids":null',
-                                       _TOKEN_IDS.sub(b'"token_ids":null', data))
+        if self.strip:  # as a plain vLLM 0.32 stream has them, chat and completions alike
+            data = _PROMPT_IDS.sub(b'"prompt_token_ids":null',
+                                   _TOKEN_IDS.sub(b'"token_ids":null', data))
         return data
 
     def _cut_at_server_error(self, data: bytes) -> bytes:

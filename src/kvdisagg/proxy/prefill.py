@@ -56,6 +56,8 @@ class Prefilled(NamedTuple):
     local_reason: str = ""
     local_tokens: int = 0
     """Prompt tokens decode computes itself (predicted)."""
+    answer: bytes = b""
+    """Prefill's whole answer, when its first token may go to the client (first_token.py)."""
 
     @property
     def header(self) -> str:
@@ -79,10 +81,12 @@ def choose_prefill(s: Serving, ctx: RequestCtx, tried: tuple[Instance, ...] = ()
 
 
 async def prefill(s: Serving, ctx: RequestCtx, first: Selection | None = None,
-                  failed: PrefillFailed | None = None) -> Prefilled | web.Response:
+                  failed: PrefillFailed | None = None, lead: bool = False
+                  ) -> Prefilled | web.Response:
     """kv_transfer_params from some prefill instance, decode-only, or the client's answer.
     ``first``: the prefill already chosen for the first try (a policy picks once per try);
-    ``failed``: a first try that already failed (``first`` then goes unused)."""
+    ``failed``: a first try that already failed (``first`` then goes unused); ``lead``: keep
+    prefill's answer, with token ids, for its first token (first_token.py)."""
     cfg, reg = s.cfg, s.registry
     tried = [failed.instance] if failed is not None else []
     failures = [failed.failure] if failed is not None else []
@@ -107,9 +111,9 @@ async def prefill(s: Serving, ctx: RequestCtx, first: Selection | None = None,
                 return Prefilled(None, "colocate")
         if tried:
             tried[-1].retries[Side.PREFILL] += 1
-        res = await prefill_leg(s, ctx, inst)
-        if isinstance(res, bytes):
-            return Prefilled(res)
+        res = await prefill_leg(s, ctx, inst, lead=lead)
+        if isinstance(res, Prefilled):
+            return res
         if res.client_error is not None:
             return res.client_error
         missing_kv |= res.kind is FailKind.MISSING_KV_PARAMS
@@ -131,13 +135,15 @@ async def prefill(s: Serving, ctx: RequestCtx, first: Selection | None = None,
 
 
 async def prefill_leg(s: Serving, ctx: RequestCtx, inst: Instance,
-                      early: dict[str, str] | None = None) -> bytes | LegFailure:
+                      early: dict[str, str] | None = None, lead: bool = False
+                      ) -> Prefilled | LegFailure:
     """kv_transfer_params (raw JSON) from one prefill instance, or why not. ``early``: the
-    handoff's id and token, decode's leg having gone out already (early.py)."""
+    handoff's id and token, decode's leg having gone out already (early.py); ``lead``: keep
+    the whole answer, with token ids (first_token.py)."""
     t = s.cfg.timeouts
     span = s.tracer.start("prefill_leg", traceparent_of(ctx.root),
                           attributes={"kvdisagg.instance": inst.url}) if ctx.root else None
-    pbody = bodies.prefill_body(ctx.body, traceparent_of(span), early)
+    pbody = bodies.prefill_body(ctx.body, traceparent_of(span), early, token_ids=lead)
     start = _now()
     leg = LegScope(inst, Side.PREFILL, ctx.body.route.prompt_tokens, s.metrics, span)
     try:
@@ -169,7 +175,7 @@ async def prefill_leg(s: Serving, ctx: RequestCtx, inst: Instance,
         inst.handoff_params = kv  # what an early handoff from it will look like (early.py)
         s.metrics.handoff.observe(elapsed)
         leg.close(Outcome.OK)
-        return kv
+        return Prefilled(kv, answer=data if lead else b"")
     msg = f"prefill {inst.url} returned {status}: {data[:300].decode('utf-8', 'replace')}"
     if 400 <= status < 500 and status not in RETRYABLE_STATUS:
         leg.close(Outcome.OK)  # the instance is fine; the request is not

@@ -119,6 +119,7 @@ class Instance:
         self.local_prefill_tokens = 0
         """The prompt tokens those legs compute (predicted)."""
         self.handoff_params: bytes | None = None
+        self.max_model_len: int | None = None  # from /v1/models, once (first_token.py)
         """Prefill: the kv_transfer_params of its last handoff (early.py builds from them)."""
         self.idle = asyncio.Event()
         self.idle.set()
@@ -269,6 +270,26 @@ def parse_retiring(text: bytes) -> bool:
                if line.startswith(b"vllm:kvdisagg_retiring"))
 
 
+class _ModelCard(msgspec.Struct):
+    max_model_len: int | None = None
+
+
+class _Models(msgspec.Struct):
+    data: list[_ModelCard] = []
+
+
+_models = msgspec.json.Decoder(_Models).decode
+
+
+def parse_max_model_len(text: bytes) -> int | None:
+    """The smallest ``max_model_len`` vLLM's ``/v1/models`` lists (None: not said)."""
+    try:
+        lens = [c.max_model_len for c in _models(text).data if c.max_model_len]
+    except msgspec.DecodeError:  # ValidationError included
+        return None
+    return min(lens) if lens else None
+
+
 def _sample(line: bytes) -> float:
     try:
         return float(line.rsplit(b" ", 1)[1])
@@ -383,6 +404,15 @@ class Registry:
                     inst.vllm_others = max(0.0, inst.vllm_waiting + inst.vllm_running - mine)
                     inst.recomputed = parse_recomputed(text)
                     self.follow_retiring(inst, parse_retiring(text))
+            except UpstreamError:
+                pass
+        if ok and inst.max_model_len is None:
+            try:
+                resp = await inst.pool.request(b"GET", "/v1/models", connect_s=cfg.timeout_s,
+                                               headers_s=cfg.timeout_s)
+                text = await resp.read(cfg.timeout_s)
+                if resp.status == 200:
+                    inst.max_model_len = parse_max_model_len(text)
             except UpstreamError:
                 pass
         inst.probe_result(ok, error, self.cfg, dead=dead)

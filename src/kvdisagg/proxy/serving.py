@@ -26,10 +26,11 @@ from aiohttp import web
 
 from kvdisagg.errors import BodyError
 from kvdisagg.proxy import body as bodies
-from kvdisagg.proxy import early
+from kvdisagg.proxy import early, first_token
 from kvdisagg.proxy.config import ProxyConfig
 from kvdisagg.proxy.decide import CacheView, Decider, Decision, Route
-from kvdisagg.proxy.decode import Opened, finish_body, open_decode, relay_stream
+from kvdisagg.proxy.decode import Opened, finish_body, open_decode, relay_led, relay_stream
+from kvdisagg.proxy.first_token import Led
 from kvdisagg.proxy.metrics import Metrics
 from kvdisagg.proxy.policies import Policy, Selection
 from kvdisagg.proxy.prefill import Prefilled, choose_prefill, prefill
@@ -166,9 +167,11 @@ class Serving:
             from kvdisagg.proxy.fanout import serve_prompts
 
             return await serve_prompts(self, request, ctx)
-        opened = await self.open(ctx)
+        opened = await self.start(ctx, lead=True)
         if isinstance(opened, web.Response):
             return opened, ("shed" if opened.status == 429 else "error")
+        if isinstance(opened, Led):
+            return await relay_led(self, request, ctx, opened)
         if ctx.body.stream and 200 <= opened.resp.status < 300:
             return await relay_stream(self, request, ctx, opened)
         return finish_body(self, ctx, opened)
@@ -177,6 +180,14 @@ class Serving:
                    ) -> Opened | web.Response:
         """Decide, prefill if disaggregated, and open a decode leg that answered. ``avoid``:
         decode instances to use only when no other is left (a migrated stream's)."""
+        opened = await self.start(ctx, avoid)
+        assert not isinstance(opened, Led)  # only when asked for
+        return opened
+
+    async def start(self, ctx: RequestCtx, avoid: tuple[Instance, ...] = (),
+                    lead: bool = False) -> Opened | Led | web.Response:
+        """``open``; ``lead``: a stream may start with prefill's first token instead
+        (first_token.py), its decode leg then opened by the relay."""
         ids = await self.token_ids(ctx.body)
         if ids is not None and len(ids) != ctx.body.route.prompt_tokens:
             # The exact length replaces the estimate for every stage: the decision, and the
@@ -198,15 +209,15 @@ class Serving:
         computing = first.instance if first is not None else decision.decode.instance
         cache = self.cache
         if cache is None or found is None or not isinstance(computing, Instance):
-            return await self._open(ctx, decision, first, avoid)
+            return await self._open(ctx, decision, first, avoid, lead)
         pending = cache.note_pending(computing.url, found)
         try:
-            return await self._open(ctx, decision, first, avoid)
+            return await self._open(ctx, decision, first, avoid, lead)
         finally:
             asyncio.get_running_loop().call_later(PENDING_GRACE_S, cache.drop_pending, pending)
 
     async def _open(self, ctx: RequestCtx, decision: Decision, first: Selection | None,
-                    avoid: tuple[Instance, ...]) -> Opened | web.Response:
+                    avoid: tuple[Instance, ...], lead: bool) -> Opened | Led | web.Response:
         log.debug("request %s: %s:%s, %d prompt tokens, %d cached on decode %s (threshold %d)",
                   ctx.rid, decision.route.value, decision.reason, ctx.body.route.prompt_tokens,
                   decision.cached_tokens,
@@ -224,9 +235,16 @@ class Serving:
                 self._count(decision, opened.pre)
             if isinstance(opened, Opened | web.Response):
                 return opened
-            pre = await prefill(self, ctx, first, opened)
+            pre = await prefill(self, ctx, first, opened,
+                                lead=lead and first_token.wanted(self, ctx.body))
             if isinstance(pre, web.Response):
                 return pre
+            if pre.answer:
+                led = first_token.lead(self, ctx, pre, decision.decode, avoid)
+                if led is not None:
+                    self._count(decision, pre)
+                    return led
+                pre = pre._replace(answer=b"")
         else:
             pre = Prefilled(None, decision.reason, decision.uncached_tokens)
         self._count(decision, pre)

@@ -1,0 +1,157 @@
+"""The first token from prefill (proxy/first_token.py, issue 15): which requests take it, the
+events made of prefill's answer, and the continuation decode gets, against fake vLLM upstreams
+(the same on real vLLM, token-identical to a plain instance: tests/e2e/test_decision.py)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvdisagg.proxy import body as bodies
+from kvdisagg.proxy.app import REGISTRY
+from kvdisagg.proxy.config import ProxyConfig
+from kvdisagg.proxy.first_token import first_events, wanted
+from kvdisagg.proxy.types import Role
+from tests.support.proxy_harness import events, metric, proxy, run, until
+
+# prefill's answers as vLLM 0.32 writes them (max_tokens 1, return_token_ids), trimmed
+CHAT = {"id": "chatcmpl-b1", "object": "chat.completion", "created": 17, "model": "tiny",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": " page",
+                                             "refusal": None, "reasoning": None},
+                     "logprobs": None, "finish_reason": "length", "stop_reason": None,
+                     "token_ids": [419]}],
+        "prompt_token_ids": [1, 469, 29], "prompt_text": None, "kv_transfer_params": {}}
+CMPL = {"id": "cmpl-99", "object": "text_completion", "created": 17, "model": "tiny",
+        "choices": [{"index": 0, "text": "en", "logprobs": None, "finish_reason": "length",
+                     "stop_reason": None, "token_ids": [266], "prompt_token_ids": [273, 322]}],
+        "kv_transfer_params": {}}
+
+
+def parsed(data: bytes) -> list[Any]:
+    assert data.endswith(b"\n\n") and b"[DONE]" not in data
+    return [json.loads(e[6:]) for e in data.split(b"\n\n") if e]
+
+
+def test_events_are_those_vllm_streams_first() -> None:
+    role, token = parsed(first_events(True, json.dumps(CHAT).encode()) or b"")
+    head = {"id": "chatcmpl-b1", "object": "chat.completion.chunk", "created": 17,
+            "model": "tiny"}
+    assert role == {**head, "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                               "content": ""},
+                                         "logprobs": None, "finish_reason": None}],
+                    "prompt_token_ids": [1, 469, 29], "prompt_text": None}
+    assert token == {**head, "choices": [{"index": 0, "delta": {"content": " page"},
+                                          "logprobs": None, "finish_reason": None,
+                                          "token_ids": [419]}]}
+    (only,) = parsed(first_events(False, json.dumps(CMPL).encode()) or b"")
+    assert only == {"id": "cmpl-99", "object": "text_completion", "created": 17,
+                    "model": "tiny", "choices": [{
+                        "index": 0, "text": "en", "logprobs": None, "finish_reason": None,
+                        "stop_reason": None, "prompt_token_ids": [273, 322],
+                        "token_ids": [266]}]}
+
+
+@pytest.mark.parametrize("change", [
+    {"finish_reason": "stop"},  # EOS or a stop token: the answer ended
+    {"token_ids": None},
+    {"text": ""},  # a special token, or bytes of a character the next token ends
+    {"text": "caf\ufffd"},
+])
+def test_no_events_unless_prefills_answer_is_an_ordinary_first_token(change: dict) -> None:
+    answer = json.loads(json.dumps(CMPL))
+    answer["choices"][0] |= change
+    assert first_events(False, json.dumps(answer).encode()) is None
+    assert first_events(False, b"not json") is None
+
+
+def test_no_events_for_a_parsers_output() -> None:
+    for message in ({"content": None, "reasoning": "hm"}, {"content": "", "tool_calls": [{}]}):
+        answer = json.loads(json.dumps(CHAT))
+        answer["choices"][0]["message"] = {"role": "assistant", **message}
+        assert first_events(True, json.dumps(answer).encode()) is None
+
+
+@pytest.mark.parametrize("fields, want", [
+    ({}, True),
+    ({"stream_options": {"include_usage": True}}, True),
+    ({"max_tokens": None}, True),
+    ({"stream": False}, False),  # the client sees nothing before the last token
+    ({"max_tokens": 1}, False),
+    ({"n": 2}, False),
+    ({"seed": 3}, False),
+    ({"stop": ["\n"]}, False),
+    ({"logprobs": 2}, False),
+    ({"presence_penalty": 0.5}, False),
+    ({"response_format": {"type": "json_object"}}, False),
+    ({"stream_options": {"include_usage": True, "continuous_usage_stats": True}}, False),
+    ({"add_generation_prompt": False}, False),
+])
+def test_which_requests_take_it(fields: dict, want: bool) -> None:
+    s: Any = SimpleNamespace(cfg=ProxyConfig())
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 8, "stream": True, **fields}
+    assert wanted(s, bodies.parse(json.dumps(body).encode(), False, 256)) is want
+
+
+def test_stream_starts_with_prefills_token_and_decode_continues_it() -> None:
+    async def t(chat: bool) -> None:
+        async with proxy() as env:
+            env.decode[0].max_model_len = 4096
+            env.decode[0].use_max_tokens = True
+            await until_known(env)
+            body: dict[str, Any] = {"model": "tiny", "max_tokens": 8, "stream": True,
+                                    "stream_options": {"include_usage": True}}
+            body |= ({"messages": [{"role": "user", "content": "hello"}]} if chat
+                     else {"prompt": "hello"})
+            r = await env.client.post("/v1/chat/completions" if chat else "/v1/completions",
+                                      json=body)
+            data = await r.read()
+            assert r.headers["X-Kvdisagg-Handoff"] == "pd"
+            evs = events(data)
+            texts = [(c.get("delta") or {}).get("content") if chat else c.get("text")
+                     for e in evs[:-1] for c in e["choices"]]
+            assert [t for t in texts if t] == ["x", *(f"t{k} " for k in range(7))]
+            assert len({e["id"] for e in evs[:-1]}) == 1  # prefill's id throughout
+            assert b'"token_ids":[' not in data  # the client did not ask for them
+            if chat:
+                assert sum(1 for e in evs[:-1] for c in e["choices"]
+                           if (c.get("delta") or {}).get("role")) == 1
+            assert evs[-2]["usage"] == {"prompt_tokens": 5, "completion_tokens": 8,
+                                        "total_tokens": 13}
+            (pre,) = env.prefill[0].seen
+            assert pre["body"]["return_token_ids"] is True and pre["body"]["max_tokens"] == 1
+            (cont,) = env.decode[0].seen  # prompt + prefill's token, with prefill's handoff
+            cb = cont["body"]
+            assert cb["max_tokens"] == 7
+            ids = cb["kv_transfer_params"]["prompt_token_ids"] if chat else cb["prompt"]
+            assert len(ids) == 6 and ids[-1] == 99
+            assert cb["kv_transfer_params"]["do_remote_prefill"] is True
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_first_tokens_from_prefill_total",
+                          outcome="sent") == 1
+            assert metric(text, "kvdisagg_proxy_requests_total", outcome="ok") == 1
+    run(t(False))
+    run(t(True))
+
+
+def test_a_decode_whose_length_limit_is_unknown_gets_the_ordinary_handoff() -> None:
+    async def t() -> None:
+        async with proxy() as env:  # the fake lists no max_model_len
+            r = await env.client.post("/v1/completions", json={
+                "model": "tiny", "prompt": "hello", "max_tokens": 8, "stream": True})
+            await r.read()
+            (cont,) = env.decode[0].seen
+            assert cont["body"]["prompt"] == "hello" and cont["body"]["max_tokens"] == 8
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_first_tokens_from_prefill_total",
+                          outcome="ordinary") == 1
+    run(t())
+
+
+async def until_known(env: Any) -> None:
+    """Until the probes have read decode's max_model_len (the proxy takes the path only then)."""
+    reg = env.client.app[REGISTRY]
+    await until(lambda: all(i.max_model_len for i in reg.instances.values()
+                            if i.role is Role.DECODE), "decode's max_model_len read")
