@@ -179,6 +179,18 @@ def stream_events(base: str, path: str, body: dict[str, Any]) -> tuple[list[dict
     return events, route
 
 
+def side_by_side(proxy: str, ref: str, path: str, body: dict[str, Any], sent: float
+                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The same stream through the proxy (disaggregated, its first token from prefill
+    ``sent`` times so far) and from the plain instance."""
+    got, route = stream_events(proxy, path, body)
+    want, _ = stream_events(ref, path, body)
+    assert route == "pd"
+    assert metric(proxy, "kvdisagg_proxy_first_tokens_from_prefill_total",
+                  outcome="sent") == sent
+    return got, want
+
+
 def streamed(events: list[dict[str, Any]], chat: bool) -> tuple[list[int], str, list[Any]]:
     """Token ids, text and finish reasons of one answer's events; every event one id."""
     ids, text, finish = [], "", []
@@ -203,11 +215,7 @@ def test_a_disaggregated_stream_starts_with_prefills_first_token(fleet):
     sent = metric(proxy, "kvdisagg_proxy_first_tokens_from_prefill_total", outcome="sent")
     pulls = metric(d, "vllm:kvdisagg_pulls_total")
     prompt_tokens = metric(d, "vllm:prompt_tokens_total")
-    got, route = stream_events(proxy, "/v1/completions", body)
-    want, _ = stream_events(ref, "/v1/completions", body)
-    assert route == "pd"
-    assert metric(proxy, "kvdisagg_proxy_first_tokens_from_prefill_total",
-                  outcome="sent") == sent + 1
+    got, want = side_by_side(proxy, ref, "/v1/completions", body, sent + 1)
     assert streamed(got, False) == streamed(want, False)
     prompt = want[0]["choices"][0]["prompt_token_ids"]
     assert got[0]["choices"][0]["prompt_token_ids"] == prompt and len(prompt) > 512
@@ -223,11 +231,7 @@ def test_a_disaggregated_stream_starts_with_prefills_first_token(fleet):
     chat = {"model": "tiny", "temperature": 0, "max_tokens": 12, "ignore_eos": True,
             "messages": [{"role": "system", "content": system},
                          {"role": "user", "content": "What do tides say?"}]}
-    got, route = stream_events(proxy, "/v1/chat/completions", chat)
-    want, _ = stream_events(ref, "/v1/chat/completions", chat)
-    assert route == "pd"
-    assert metric(proxy, "kvdisagg_proxy_first_tokens_from_prefill_total",
-                  outcome="sent") == sent + 2
+    got, want = side_by_side(proxy, ref, "/v1/chat/completions", chat, sent + 2)
     assert got[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert [e["choices"][0]["delta"].get("role") for e in got].count("assistant") == 1
     assert streamed(got, True) == streamed(want, True)
@@ -237,10 +241,6 @@ def test_a_disaggregated_stream_starts_with_prefills_first_token(fleet):
 
     # a seed: decode samples every token, as the plain instance does
     seeded = {**body, "prompt": "Gulls " + text, "seed": 5, "temperature": 1.0}
-    got, route = stream_events(proxy, "/v1/completions", seeded)
-    want, _ = stream_events(ref, "/v1/completions", seeded)
-    assert route == "pd"
-    assert metric(proxy, "kvdisagg_proxy_first_tokens_from_prefill_total",
-                  outcome="sent") == sent + 2
+    got, want = side_by_side(proxy, ref, "/v1/completions", seeded, sent + 2)
     assert streamed(got, False) == streamed(want, False)
     wait_handoffs_freed(fleet.prefill.base_url)
