@@ -26,6 +26,12 @@ The overhead is P/D TTFT minus prefill alone; the trace of each P/D request says
 
 Goal (issue 12): overhead p50 <= pull + 8 ms at 1000 and 2000 tokens.
 
+``--first-token`` (issue 15) adds a proxy with its default, the first token from prefill
+(``P/D`` above is the ordinary handoff: the fleet's proxy runs with
+``--no-first-token-from-prefill``, so its phases are the handoff's), and records each stream's
+second token too: what the client waits for the first token, and that the second is not
+later than the ordinary handoff's.
+
 ``--decision`` (issue 15) adds, per round, two more requests through two more proxies on the
 same pair: *local*, decode computing the prompt itself (``--local-prefill-tokens`` past any
 length: what decode alone costs), and *default*, the proxy's per-request decision with its
@@ -34,7 +40,7 @@ prefill). Where local is cheaper than P/D, and by how much decode is kept busy i
 is what sets ``decision.local_prefill_tokens``.
 
     .venv/bin/python benchmarks/handoff.py [--lengths 100 1000 2000 8000] [--rounds 15]
-        [--transport tcp] [--decision] [--out out/handoff.json]
+        [--transport tcp] [--decision] [--first-token] [--out out/handoff.json]
 """
 
 from __future__ import annotations
@@ -231,6 +237,7 @@ def main() -> None:
             decision = {k: statistics.median(r[k] for r in rows)
                         for k in ("first", "first_second", "pd_second")}
             decision["first_routes"] = sorted({r["first_route"] for r in rows})
+            decision["first_overhead"] = statistics.median(r["first"] - r["alone"] for r in rows)
         if "local" in rows[0]:
             routes: dict[str, int] = {}
             for r in rows:
@@ -286,10 +293,10 @@ def _print(table: list[dict[str, Any]]) -> None:
         print("|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in table:
             print(f"| {r['tokens']} | {r['alone']:.1f} | {r['pd']:.1f} | {r['first']:.1f} | "
-                  f"{r['overhead']:.1f} | {r['first'] - r['alone']:.1f} | "
+                  f"{r['overhead']:.1f} | {r['first_overhead']:.1f} | "
                   f"{r['pd_second']:.1f} | {r['first_second']:.1f} |")
-        print("(p50 over rounds, ms from sending; P/D: the ordinary handoff; 2nd token: the "
-              "stream's second token event, max_tokens 2)")
+        print("(p50 over rounds, ms from sending; differences: p50 of each round's; P/D: the "
+              "ordinary handoff; 2nd token: the stream's second token event, max_tokens 2)")
     if table and "local" in table[0]:
         print("\n| tokens | prefill alone | P/D | decode alone | default decision | its routes "
               "| of which early | P/D - prefill alone | default - prefill alone "
