@@ -155,3 +155,24 @@ async def until_known(env: Any) -> None:
     reg = env.client.app[REGISTRY]
     await until(lambda: all(i.max_model_len for i in reg.instances.values()
                             if i.role is Role.DECODE), "decode's max_model_len read")
+
+
+def test_decodes_pace_excludes_the_handoff_before_its_first_event() -> None:
+    """The client's TPOT counts the wait between prefill's token and decode's first; decode's
+    own TPOT (what the decision predicts from) does not."""
+    async def t() -> None:
+        async with proxy() as env:
+            d = env.decode[0]
+            d.max_model_len, d.use_max_tokens = 4096, True
+            d.delay_s, d.token_delay_s = 0.4, 0.02  # a slow handoff, then 20 ms a token
+            await until_known(env)
+            r = await env.client.post("/v1/completions", json={
+                "model": "tiny", "prompt": "hello", "max_tokens": 8, "stream": True})
+            await r.read()
+            (inst,) = [i for i in env.client.app[REGISTRY].instances.values()
+                       if i.role is Role.DECODE]
+            assert inst.tpot_s is not None and 0.015 < inst.tpot_s < 0.06
+            text = await env.metrics()
+            tpot_sum = metric(text, "kvdisagg_proxy_tpot_seconds_sum")
+            assert tpot_sum > 0.4 / 7  # the client waited the handoff between two tokens
+    run(t())
