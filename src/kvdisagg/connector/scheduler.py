@@ -314,8 +314,13 @@ class DisaggScheduler:
             incoming.recomputed = "invalid_params"
         if (load.error or load.release_only) and self.leases is not None:
             self.leases.drop(request.request_id, release=False)  # the worker reports no load
-        if self.keyed_by_tokens and not load.error:
-            load = dataclasses.replace(load, prompt_token_ids=tuple(request.prompt_token_ids))
+        if self.keyed_by_tokens and not load.error and incoming.handoff is not None:
+            # Keyed by the tokens prefill stored: decode's prompt may extend them (a
+            # continuation after prefill's first token, proxy/first_token.py).
+            tokens = request.prompt_token_ids
+            if not incoming.handoff.kvdisagg.early:
+                tokens = tokens[:incoming.handoff.remote_num_tokens]
+            load = dataclasses.replace(load, prompt_token_ids=tuple(tokens))
         if not (load.error or load.release_only):
             if load.early:
                 self._early_waiting.add(request.request_id)

@@ -479,6 +479,24 @@ def test_decode_claims_at_most_remote_num_tokens(make, remote_tokens):
     h.assert_no_leak()
 
 
+def test_decode_keyed_load_names_the_tokens_prefill_stored(make):
+    """A continuation after prefill's first token (proxy/first_token.py): decode's prompt is
+    prefill's plus that token. A store transport's load is keyed by prefill's tokens (its
+    last, partial chunk included), not decode's, whose last chunk prefill never stored."""
+    h = make("kv_consumer", transport="lmcache", handshake_extra={"keyed_by_tokens": True},
+             extra_config={"transport": "lmcache", "lmcache_url": "lm://127.0.0.1:1"})
+    params = remote_prefill_params(h, 40)
+    req = h.add_request(41, kv_transfer_params=params, max_tokens=2)
+    assert h.side.get_num_new_matched_tokens(req, 0) == (40, True)
+    s = h.step()
+    (load,) = s.meta.loads
+    assert not load.error and list(load.prompt_token_ids) == list(req.prompt_token_ids[:40])
+    h.step(finished_recving={req.request_id})
+    h.drain()
+    assert h.final_output(req.request_id).finish_reason == FinishReason.LENGTH
+    h.assert_no_leak()
+
+
 @pytest.mark.parametrize("hit", [False, True], ids=["no-hit", "prefix-hit"])
 def test_prefill_params_with_extra_blocks_align_by_position(make, hit):
     """Prefill computed prompt + outputs (47 + 2 = 49 tokens, 4 blocks): decode's 3 prompt
