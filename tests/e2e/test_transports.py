@@ -17,6 +17,7 @@ from .conftest import (
     LOG_DIR,
     TIMEOUT_S,
     blocks,
+    completion_tokens,
     metric,
     post,
     prompt_ids,
@@ -66,6 +67,25 @@ def test_token_identical_and_kv_moved(tfleet):
     moved = wait_metric_change(tfleet.decode.base_url, "vllm:kvdisagg_pulled_blocks_total",
                                pulls) - pulls
     assert moved == sum(blocks(len(p)) for p in prompts)
+
+
+def test_stream_continues_after_prefills_first_token(tfleet):
+    """A stream's default path (proxy/first_token.py): the client gets prefill's first token,
+    decode continues with the prompt plus that token, one longer than the handoff (a store
+    transport looks the KV up by prefill's tokens, not decode's)."""
+    text = "The keeper counted the waves and wrote each one in his book. " * 12
+    status, ref = post(tfleet.prefill.base_url + "/v1/completions", {**GEN, "prompt": text})
+    assert status == 200, ref
+    prompt = ref["choices"][0]["prompt_token_ids"]
+    sent = metric(tfleet.proxy_url, "kvdisagg_proxy_first_tokens_from_prefill_total",
+                  outcome="sent")
+    pulled = metric(tfleet.decode.base_url, "vllm:kvdisagg_pulled_blocks_total")
+    got = completion_tokens(tfleet.proxy_url, {**GEN, "prompt": text, "stream": True})
+    assert got == ("ok", ref["choices"][0]["token_ids"])
+    assert metric(tfleet.proxy_url, "kvdisagg_proxy_first_tokens_from_prefill_total",
+                  outcome="sent") == sent + 1
+    assert wait_metric_change(tfleet.decode.base_url, "vllm:kvdisagg_pulled_blocks_total",
+                              pulled) - pulled == blocks(len(prompt))
 
 
 def test_concurrent_requests(tfleet):
