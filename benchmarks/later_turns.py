@@ -12,12 +12,16 @@ every target up at once, requests one at a time, the targets' order rotated ever
 
 Each request is the same conversation (a 450-word system prompt, a user turn and an answer,
 cached on every target before the rounds) plus a fresh 70-word user message, streamed, greedy.
+``--first-turns``: each request is a conversation's first turn instead, a system prompt of its
+own (450 words, ~1000 tokens: uncached, so the proxy disaggregates it, its first token from
+prefill) and a 70-word user message; decode direct then computes the whole prompt itself.
 Reported: TTFT p50 (and quartiles) per target and the ratio to plain's. The plain instance
 shares a core with the idle prefill (``--plain-core 0``); on decode's core, decode's idle OpenMP
 threads slow it (measured: 1.8x), so that placement is not a fair baseline.
 
     flock /tmp/kvdisagg-e2e.lock env PYTHONPATH=$PWD/src:$PWD .venv/bin/python \\
-        benchmarks/later_turns.py [--rounds 40] [--plain-core 0] [--out out/later_turns.json]
+        benchmarks/later_turns.py [--rounds 40] [--plain-core 0] [--first-turns] \
+        [--out out/later_turns.json]
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ def main() -> None:
     ap.add_argument("--plain-core", default="0")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/kvdisagg-later-turns"))
+    ap.add_argument("--first-turns", action="store_true",
+                    help="every request a fresh conversation's first turn (uncached)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     rng = random.Random(7)
@@ -51,6 +57,9 @@ def main() -> None:
                {"role": "assistant", "content": text(rng, 40)}]
 
     def turn() -> list[dict[str, str]]:
+        if args.first_turns:
+            return [{"role": "system", "content": text(rng, 450)},
+                    {"role": "user", "content": text(rng, 70)}]
         return [*history, {"role": "user", "content": text(rng, 70)}]
 
     fleet = Fleet(ensure_tiny_model(), args.log_dir, kv_events=True, always_disaggregate=False,
