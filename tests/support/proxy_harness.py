@@ -103,6 +103,17 @@ GEN = {"model": "tiny", "prompt": "hello there", "max_tokens": 5, "temperature":
        "top_p": 0.9}
 
 
+async def post_stream(env: Env, chat: bool, max_tokens: int) -> bytes:
+    """A streamed request of ``max_tokens`` with usage, chat or completions, saying "hello"."""
+    body: dict[str, Any] = {"model": "tiny", "max_tokens": max_tokens, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    body |= ({"messages": [{"role": "user", "content": "hello"}]} if chat
+             else {"prompt": "hello"})
+    r = await env.client.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
+    assert r.status == 200, await r.text()
+    return await r.read()
+
+
 def events(data: bytes) -> list[Any]:
     """An event stream's ``data:`` payloads, decoded (``"[DONE]"`` as the string)."""
     out = []

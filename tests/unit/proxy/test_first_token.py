@@ -15,7 +15,7 @@ from kvdisagg.proxy.app import REGISTRY
 from kvdisagg.proxy.config import ProxyConfig
 from kvdisagg.proxy.first_token import first_events, wanted
 from kvdisagg.proxy.types import Role
-from tests.support.proxy_harness import events, metric, proxy, run, until
+from tests.support.proxy_harness import events, metric, post_stream, proxy, run, until
 
 # prefill's answers as vLLM 0.32 writes them (max_tokens 1, return_token_ids), trimmed
 CHAT = {"id": "chatcmpl-b1", "object": "chat.completion", "created": 17, "model": "tiny",
@@ -101,14 +101,7 @@ def test_stream_starts_with_prefills_token_and_decode_continues_it() -> None:
             env.decode[0].max_model_len = 4096
             env.decode[0].use_max_tokens = True
             await until_known(env)
-            body: dict[str, Any] = {"model": "tiny", "max_tokens": 8, "stream": True,
-                                    "stream_options": {"include_usage": True}}
-            body |= ({"messages": [{"role": "user", "content": "hello"}]} if chat
-                     else {"prompt": "hello"})
-            r = await env.client.post("/v1/chat/completions" if chat else "/v1/completions",
-                                      json=body)
-            data = await r.read()
-            assert r.headers["X-Kvdisagg-Handoff"] == "pd"
+            data = await post_stream(env, chat, 8)
             evs = events(data)
             texts = [(c.get("delta") or {}).get("content") if chat else c.get("text")
                      for e in evs[:-1] for c in e["choices"]]

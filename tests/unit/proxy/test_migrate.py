@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvdisagg.proxy.config import RetryConfig
-from tests.support.proxy_harness import events, metric, proxy, run
+from tests.support.proxy_harness import events, metric, post_stream, proxy, run
 
 
 def token_texts(evs: list[Any], chat: bool = False) -> list[str]:
@@ -27,13 +27,7 @@ def test_stream_migrates_to_another_decode_without_gap_or_duplicate() -> None:
             for d in env.decode:
                 d.use_max_tokens = True
             env.decode[0].die_after = 3  # the decision's round robin starts with d0
-            body: dict[str, Any] = {"model": "tiny", "max_tokens": 8, "stream": True,
-                                    "stream_options": {"include_usage": True}}
-            body |= ({"messages": [{"role": "user", "content": "hello"}]} if chat
-                     else {"prompt": "hello"})
-            r = await env.client.post("/v1/chat/completions" if chat else "/v1/completions",
-                                      json=body)
-            data = await r.read()
+            data = await post_stream(env, chat, 8)
             evs = events(data)
             assert token_texts(evs, chat) == [f"t{k} " for k in range(8)]
             assert evs[-1] == "[DONE]" and evs.count("[DONE]") == 1
