@@ -309,7 +309,7 @@ async def _relay(s: Serving, request: web.Request, ctx: RequestCtx, out: web.Str
     chunked = request.version >= (1, 1)
     outcome, result = "error", Outcome.BROKEN
     leg, moves = opened, 0
-    decode_first = list(stats)
+    decode_events, decode_first = stats  # decode's first event: its count and time, below
     try:
         head = await _first_events(leg, tap, s.cfg.timeouts.decode_idle_s)
         if not prepared:
@@ -320,7 +320,7 @@ async def _relay(s: Serving, request: web.Request, ctx: RequestCtx, out: web.Str
                 stats[1] = _now()
             await out.write(head)  # with the headers, through aiohttp's writer
             event(leg.leg.span, "first_byte")
-        decode_first[:] = stats  # events so far, and when decode's first came
+        decode_events, decode_first = stats
         while True:
             try:
                 await _pipe(s, request, leg, tap, chunked, stats)
@@ -362,9 +362,9 @@ async def _relay(s: Serving, request: web.Request, ctx: RequestCtx, out: web.Str
             m.tpot.observe(tpot)
         # Decode's own pace (what the decision predicts TPOT from): after a first token from
         # prefill the handoff lies before decode's first event, not between its tokens.
-        paced = events - decode_first[0] - 1  # decode's later events, [DONE] aside
+        paced = events - decode_events - 1  # decode's later events, [DONE] aside
         pace = tpot if not prepared else (
-            (last - decode_first[1]) / paced if paced >= 1 else None)
+            (last - decode_first) / paced if paced >= 1 else None)
         if pace is not None:
             leg.inst.observe_tpot(pace)
         m.judge(leg.inst.url, e2e, ttft, tpot, None)

@@ -31,7 +31,7 @@ import msgspec
 
 from kvdisagg.proxy import body as bodies
 from kvdisagg.proxy.migrate import Tap, continuation, wants_token_ids
-from kvdisagg.proxy.policies import Selection
+from kvdisagg.proxy.policies import InstanceView, Selection
 from kvdisagg.proxy.prefill import Prefilled
 from kvdisagg.proxy.registry import Instance
 
@@ -148,7 +148,8 @@ class Led(NamedTuple):
     avoid: tuple[Instance, ...]
 
 
-def _fits(body: bodies.ClientBody, prompt_tokens: int, decode: object) -> bool:
+def _fits(body: bodies.ClientBody, prompt_tokens: int, decode: InstanceView | None
+          ) -> bool:
     """Whether decode accepts the continuation exactly when a plain instance accepts the
     request: both check prompt + ``max_tokens`` against ``max_model_len``, which the client
     must see as a 400 before any token, not as an error event after the first."""
