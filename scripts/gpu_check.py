@@ -7,7 +7,11 @@ block) on CUDA, read by a decode TP2 worker (1 head each) on CUDA, through
   through pinned host memory), for both decode ranks, a window of each block;
 - nccl: the gather and scatter of a head window on CUDA (``index_select``/``index_copy_`` on a
   narrowed page view, and the in-place path for whole pages), with an in-process group (NCCL
-  itself refuses two ranks on one GPU), from paged blocks and from a pinned staging arena.
+  itself refuses two ranks on one GPU), from paged blocks and from a pinned staging arena;
+- nccl: the synchronization (nccl.py's docstring): the in-process group behaves as NCCL does
+  (each op on a stream of its own, late; ``wait()`` only orders streams), and once ``recv``
+  returns, with no synchronize by the caller, the pages hold the bytes as another stream reads
+  them; an op that never completes raises TransferTimeout within the deadline.
 
     python scripts/gpu_check.py            # exit 0: every check passed
     python scripts/gpu_check.py --cpu      # the same code on CPU (a smoke run of the script)
@@ -25,7 +29,8 @@ import msgspec
 import torch
 
 from kvdisagg.config import ConnectorConfig
-from kvdisagg.layout import KvGeometry, layer_regions, pull_slices, copy_runs, with_arena
+from kvdisagg.errors import TransferTimeout
+from kvdisagg.layout import KvGeometry, copy_runs, layer_regions, pull_slices, with_arena
 from kvdisagg.sharding import Shape, plan
 from kvdisagg.transport import Fetch, Offer, load_transport
 from kvdisagg.transport.nccl import NcclTransport
@@ -83,27 +88,57 @@ def tcp_split() -> bool:
 
 
 class InProcessGroup:
-    """Sends and receives of two 'ranks' in one process, matched by tag (CUDA tensors)."""
+    """Sends and receives of two 'ranks' in one process, matched by tag, as NCCL runs them on
+    CUDA: each op on a side stream (after the current stream's work, as NCCL's stream waits for
+    it), ``is_completed()`` true once that stream got there, ``wait()`` only making the current
+    stream wait for it. ``delay``: GPU cycles a receive sleeps first (its bytes land late). On CPU
+    each op is done at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, delay: int = 0) -> None:
         self.sent: dict[int, torch.Tensor] = {}
+        self.delay = delay
+        self.side = torch.cuda.Stream() if DEVICE == "cuda" else None
 
     class Work:
-        def __init__(self, done: Any = None) -> None:
-            self.done = done
+        def __init__(self, event: Any) -> None:
+            self.event = event
+
+        def is_completed(self) -> bool:
+            return self.event is None or bool(self.event.query())
 
         def wait(self, timeout: Any = None) -> bool:
-            if self.done:
-                self.done()
+            if self.event is not None:
+                torch.cuda.current_stream().wait_event(self.event)
             return True
 
+    def _on_side(self, op: Any, tensor: torch.Tensor) -> Any:
+        """Run ``op`` on the group's stream after the current stream's work; its event."""
+        if self.side is None:
+            op()
+            return None
+        self.side.wait_stream(torch.cuda.current_stream())
+        tensor.record_stream(self.side)  # freed by the caller: not reused before op ran
+        with torch.cuda.stream(self.side):
+            op()
+            event = torch.cuda.Event()
+            event.record(self.side)
+        return event
+
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Work:
-        self.sent[tag] = tensors[0].clone()
-        return self.Work()
+        source = tensors[0]
+
+        def op() -> None:
+            self.sent[tag] = source.clone()
+        return self.Work(self._on_side(op, source))
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Work:
-        return self.Work(lambda: tensors[0].view(-1).view(torch.uint8).copy_(
-            self.sent.pop(tag).view(-1).view(torch.uint8)))
+        sent, target = self.sent.pop(tag), tensors[0]  # sent on the same stream, before
+
+        def op() -> None:
+            if self.delay:
+                torch.cuda._sleep(self.delay)
+            target.view(-1).view(torch.uint8).copy_(sent.view(-1).view(torch.uint8))
+        return self.Work(self._on_side(op, target))
 
 
 class _Sock:
@@ -126,17 +161,11 @@ def nccl_gather(staged: bool) -> bool:
     layers = tuple(range(LAYERS))
     for first in (0, 1):  # each head of the two, window by window
         runs = copy_runs(LAYERS, src_ids, dst_ids)
-        sender, receiver = NcclTransport(ConnectorConfig()), NcclTransport(ConnectorConfig())
-        sender.regions, sender.backend = src_regions, "nccl"
-        receiver.regions, receiver.backend = dst_regions, "nccl"
-        if DEVICE == "cpu":
-            sender.backend = receiver.backend = "gloo"
+        sender, receiver = transport(src_regions), transport(dst_regions)
         sender.send(group, _Sock(), PullPlan(runs, pull_slices(src_regions, layers, first, 1),
                                              layers, (first, 1)), Deadline(10, "check"), b"")
         receiver.recv(group, _Sock(), PullPlan(runs, pull_slices(dst_regions, layers, first, 1),
                                                layers, (first, 1)), Deadline(10, "check"))
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
     for r_src, r_dst in zip(src_regions, dst_regions):
         for s, d in zip(src_ids, dst_ids):
             ok &= bool(torch.equal(r_dst.rows(d, 1).cpu(), r_src.rows(s, 1).cpu()))
@@ -144,12 +173,77 @@ def nccl_gather(staged: bool) -> bool:
                  f"({'from the pinned arena' if staged else 'paged'})", ok)
 
 
+def transport(regions: list[Any]) -> NcclTransport:
+    """A side as the worker attaches it: NCCL and CudaSync on CUDA, gloo and HostSync on CPU."""
+    side = NcclTransport(ConnectorConfig())
+    side.regions = regions
+    side.attach(regions, is_producer=False)
+    return side
+
+
+def nccl_landed() -> bool:
+    """After ``recv`` returns, with no synchronize here, the pages hold the bytes: the receives
+    land late (a GPU sleep first, on the group's stream), each scatter is queued on the current
+    stream behind another sleep, and the pages are read on another stream, as vLLM's forward
+    would; the current stream has nothing left to run. (Without nccl.py's fence, recv returns
+    with the scatters queued and the pages read zeros.) Then a receive that lands after the
+    deadline: a TransferTimeout within it, not a hang."""
+    src_regions = layer_regions(caches([0, 1], seed=3))
+    dst_regions = layer_regions(caches([0, 1], seed=None))
+    src_ids, dst_ids = [5, 9, 6, 30], [7, 2, 11, 4]  # scattered: through buffers
+    layers = tuple(range(LAYERS))
+    runs = copy_runs(LAYERS, src_ids, dst_ids)
+    delay = 200_000_000 if DEVICE == "cuda" else 0  # GPU cycles: ~0.1 s
+    group = InProcessGroup(delay)
+    sender, receiver = transport(src_regions), transport(dst_regions)
+    scatter = receiver._scatter
+
+    def late_scatter(*args: Any) -> None:  # queued behind other work on a busy stream
+        if delay:
+            torch.cuda._sleep(delay)
+        scatter(*args)
+    receiver._scatter = late_scatter  # type: ignore[method-assign]
+    sender.send(group, _Sock(), PullPlan(runs, pull_slices(src_regions, layers, 0, 2), layers,
+                                         (0, 2)), Deadline(10, "check"), b"")
+    receiver.recv(group, _Sock(), PullPlan(runs, pull_slices(dst_regions, layers, 0, 2), layers,
+                                           (0, 2)), Deadline(10, "check"))
+    ok = True
+    if DEVICE == "cuda":
+        ok &= bool(torch.cuda.current_stream().query())  # no copy still queued
+        reader = torch.cuda.Stream()  # does not wait for the current stream
+        with torch.cuda.stream(reader):
+            got = [r.pages.to("cpu") for r in dst_regions]
+    else:
+        got = [r.pages.clone() for r in dst_regions]
+    for r_src, pages in zip(src_regions, got):
+        for s, d in zip(src_ids, dst_ids):
+            ok &= bool(torch.equal(pages[d], r_src.rows(s, 1)[0].cpu()))
+    ok = check("nccl: the pages hold the bytes when recv returns (read on another stream)", ok)
+    if DEVICE != "cuda":
+        return ok
+    receiver._scatter = scatter  # type: ignore[method-assign]
+    late = InProcessGroup(delay=2_000_000_000)  # ~1 s, past the deadline
+    sender.send(late, _Sock(), PullPlan(runs, pull_slices(src_regions, layers, 0, 2), layers,
+                                        (0, 2)), Deadline(10, "check"), b"")
+    started = time.monotonic()
+    try:
+        receiver.recv(late, _Sock(), PullPlan(runs, pull_slices(dst_regions, layers, 0, 2),
+                                              layers, (0, 2)), Deadline(0.2, "check"))
+        timed_out = False
+    except TransferTimeout:
+        timed_out = True
+    elapsed = time.monotonic() - started
+    torch.cuda.synchronize()  # let the late receive finish before the next check
+    return check(f"nccl: a receive landing after the deadline raised TransferTimeout in "
+                 f"{elapsed:.2f}s (deadline 0.2s)", timed_out and elapsed < 0.6) and ok
+
+
 def main() -> int:
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
         return 2
     start = time.monotonic()
-    results = [tcp_split(), nccl_gather(False), nccl_gather(True)]
+    results = [tcp_split(), nccl_gather(False), nccl_gather(True), nccl_landed()]
     print(f"{sum(results)}/{len(results)} passed in {time.monotonic() - start:.1f}s")
     return 0 if all(results) else 1
 

@@ -22,8 +22,28 @@ fresh blocks, often) sends or receives in place instead, with no copy. A 16 MiB 
 blocks is then 4 messages instead of a thousand. On GPUs with NCCL this means one kernel launch
 and one network message per ~32 MiB instead of one per run, for a gather and a scatter copy in
 device memory at HBM speed (TB/s, far above any link). Each side posts at most IN_FLIGHT messages
-ahead, which bounds the extra memory a pull holds (on CUDA a wait only orders streams, so freed
-buffers are reused once NCCL's stream is done with them, as the caching allocator tracks).
+ahead, which bounds the extra memory a pull holds (a freed buffer is reused once NCCL's stream is
+done with it, as the caching allocator tracks).
+
+What is synchronized, and why. On CPU (gloo) ``Work.wait()`` blocks the host until the op is
+done and the copies are ``memmove``s, done when they return: nothing else to wait for. On CUDA
+(NCCL) the host only *enqueues*: ``Work.wait()`` makes the current stream wait for NCCL's (torch
+documents that it blocks the host only when given a timeout), and the gather and scatter
+(``index_select``/``index_copy_``) are kernels queued on the current stream. vLLM's forward
+reads the pages once the load is reported done, on its own thread's stream, so ``recv`` must not
+return before the bytes are in the pages; prefill frees its blocks once decode says Done, so
+``send`` must not return before NCCL has read them. Each side therefore, through its ``sync``
+(HostSync on CPU: nothing more; CudaSync on CUDA):
+
+1. polls each op's ``Work.is_completed()`` (host-visible completion) until the deadline, before
+   ``Work.wait()`` (which then returns at once, or raises the op's error);
+2. after the last wait and the last scatter copy, records a ``torch.cuda.Event`` on the stream
+   that ran them and polls ``Event.query()`` until it is done, or the deadline passes.
+
+``recv`` and ``send`` return only then, so the side channel's Done (decode: the load is reported
+done; prefill: the blocks may be freed) follows bytes that have landed. Polling rather than
+``Event.synchronize()`` lets the deadline fire: a transfer that never completes raises
+TransferTimeout (the connection is then closed, which aborts the NCCL group) instead of hanging.
 """
 
 from __future__ import annotations
@@ -35,7 +55,7 @@ import secrets
 import socket
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import msgspec
@@ -52,6 +72,9 @@ MESSAGE_BYTES = {"gloo": 4 << 20, "nccl": 32 << 20}
 16 MiB or more (measured: 2.8 vs 1.2 GB/s), and pipelines a pull's messages; NCCL only needs
 enough to amortise a launch. Both sides use their common backend's value."""
 IN_FLIGHT = 4  # messages posted ahead of the one being waited for: bounds the buffers held
+POLL_FIRST_S, POLL_MAX_S = 1e-5, 2e-4
+"""Pauses between polls of a CUDA op or event: doubling from the first to the longest, so a short
+wait costs little latency and a long one little CPU."""
 
 
 class Segment(NamedTuple):
@@ -96,6 +119,57 @@ def plan_messages(runs: Sequence[CopyRun], side: str, page_bytes: Sequence[int],
     return messages
 
 
+def poll(done: Callable[[], bool], seconds: float) -> bool:
+    """Whether ``done()`` turned true within ``seconds`` (it is called at least once), polled
+    with pauses from POLL_FIRST_S doubling to POLL_MAX_S."""
+    end = time.monotonic() + seconds
+    pause = POLL_FIRST_S
+    while not done():
+        if time.monotonic() >= end:
+            return False
+        time.sleep(pause)
+        pause = min(2 * pause, POLL_MAX_S)
+    return True
+
+
+class HostSync:
+    """How a side waits for its device: on CPU (gloo), through ``Work.wait()`` alone.
+
+    ``waits_block``: ``Work.wait()`` blocks the host until the op is done (gloo), so it is not
+    polled first. ``fence()`` does nothing: a copy on the host is done when it returns."""
+
+    waits_block: ClassVar[bool] = True
+
+    def fence(self, deadline: Deadline) -> None:
+        """Either side's pull thread, once per ``send``/``recv``, after its last op was waited
+        for: return once the device has finished every copy this thread queued (the scatter into
+        the pages, or NCCL's reads of them), or raise TransferTimeout when ``deadline`` runs
+        out."""
+
+
+class CudaSync(HostSync):
+    """On CUDA (NCCL): ``Work.wait()`` only makes the current stream wait for NCCL's, so each op
+    is polled (``is_completed``) first, and ``fence()`` records an event on the current stream of
+    the KV's device (the one that ran the copies, after the waits) and polls it.
+
+    ``stream`` and ``event``: torch's by default; a test passes recording fakes."""
+
+    waits_block: ClassVar[bool] = False
+
+    def __init__(self, device: torch.device,
+                 stream: Callable[[torch.device], Any] = torch.cuda.current_stream,
+                 event: Callable[[], Any] = torch.cuda.Event) -> None:
+        self.device, self._stream, self._event = device, stream, event
+
+    def fence(self, deadline: Deadline) -> None:
+        event = self._event()
+        event.record(self._stream(self.device))
+        bound = deadline.left()
+        if not poll(event.query, bound):
+            raise TransferTimeout(f"{deadline.what}: the KV copies on {self.device} not done "
+                                  f"within {bound:.1f}s (transfer_timeout_seconds)")
+
+
 class GroupInfo(msgspec.Struct, frozen=True, kw_only=True):
     """Prefill -> decode in the Hello reply: where to rendezvous for this connection's group."""
 
@@ -111,10 +185,12 @@ def _timedelta(seconds: float) -> datetime.timedelta:
 
 class NcclTransport(PullTransport):
     name: ClassVar[str] = "nccl"
+    sync: HostSync = HostSync()  # CudaSync when the KV is on CUDA (attach)
 
     def attach(self, regions: Sequence[LayerRegion], is_producer: bool) -> None:
         device = regions[0].pages.device if regions else torch.device("cpu")
         self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self.sync = CudaSync(device) if device.type == "cuda" else HostSync()
         self._store: dist.TCPStore | None = None
         if is_producer:
             self._store = dist.TCPStore(self.config.side_channel_host, 0, None, True,
@@ -176,6 +252,7 @@ class NcclTransport(PullTransport):
             pending.append(peer.send(
                 [self._gather(message, slices) if direct is None else direct], 1, k))
         self._wait(list(pending), deadline)
+        self.sync.fence(deadline)  # NCCL has read the pages: they may be freed after Done
 
     def recv(self, peer: Any, sock: socket.socket, plan: PullPlan, deadline: Deadline) -> None:
         messages, slices = self._plan(plan, "dst"), plan.slices
@@ -195,6 +272,7 @@ class NcclTransport(PullTransport):
                 posted += 1
             if buf is not None:
                 self._scatter(message, slices, buf)
+        self.sync.fence(deadline)  # the bytes are in the pages: the load may be reported done
 
     def _plan(self, plan: PullPlan, side: str) -> list[list[Segment]]:
         return plan_messages(plan.runs, side, [s.nbytes for s in plan.slices],
@@ -263,12 +341,17 @@ class NcclTransport(PullTransport):
                     region.rows(block, 1)[0][sl.offset:sl.offset + sl.nbytes].copy_(row)
 
     def _wait(self, works: list[Any], deadline: Deadline) -> None:
-        """Wait for ``works``, each within what ``deadline`` leaves. Gloo and NCCL report a
-        timed-out op and a broken one alike (RuntimeError); a failure once the op's whole bound
-        has passed is the timeout, judged by the clock rather than by the message's words."""
+        """Wait for ``works``, each within what ``deadline`` leaves. Where ``Work.wait()`` need
+        not block the host (NCCL), the op is polled until done first, so the bound holds. Gloo
+        and NCCL report a timed-out op and a broken one alike (RuntimeError); a failure once the
+        op's whole bound has passed is the timeout, judged by the clock rather than by the
+        message's words."""
         for work in works:
             bound = deadline.left()
             started = time.monotonic()
+            if not self.sync.waits_block and not poll(work.is_completed, bound):
+                raise TransferTimeout(f"{deadline.what}: {self.backend} op not done within "
+                                      f"{bound:.1f}s (transfer_timeout_seconds)")
             try:
                 done = work.wait(_timedelta(bound))
             except RuntimeError as exc:
