@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvdisagg.local.servers import VllmServer, free_port
+from kvdisagg.local.servers import VllmServer, free_port, metric_value
 
 
 def kv_transfer_args(role: str, extra: dict[str, Any] | None = None,
@@ -153,6 +153,20 @@ class Fleet:
                 last = str(exc)
             time.sleep(0.2)
         raise RuntimeError(f"proxy not ready ({last}); see {self.log_dir / 'proxy.log'}")
+
+    def wait_index_live(self, timeout_s: float = 120.0) -> None:
+        """Until the proxy's cache index follows every prefill and decode's KV events
+        (``kv_events``): the proxy is ready as soon as the instances answer its probes, but
+        finds each publisher on a retry some seconds later; until then it predicts no cache
+        hit and counts a prompt's tokens by an estimate (it tokenizes only for the index)."""
+        want = len(self.prefills) + len(self.decodes)
+        deadline = time.monotonic() + timeout_s
+        while (live := metric_value(self.proxy_url, "kvdisagg_proxy_cache_index_live")) < want:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"proxy's cache index live for {live:.0f} of {want} "
+                                   f"instances after {timeout_s:.0f}s; see "
+                                   f"{self.log_dir / 'proxy.log'}")
+            time.sleep(0.5)
 
     def stop(self) -> None:
         for proxy in (self.proxy, *self.extra_proxies):
