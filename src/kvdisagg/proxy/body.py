@@ -20,6 +20,7 @@ import msgspec
 
 from kvdisagg.errors import BodyError
 from kvdisagg.protocol import EARLY_PARAMS_KEY, SLO_PARAMS_KEY, RequestSlo
+from kvdisagg.proxy import contract
 from kvdisagg.proxy.policies import RouteRequest
 from kvdisagg.tracing import TRACE_PARAMS_KEY
 
@@ -46,9 +47,8 @@ class ClientBody(NamedTuple):
     prompts: list[Any] | None = None
     """A completions request with several prompts: each is served as its own request (its own
     handoff) and the answers merged (fanout.py)."""
-    local_reason: str | None = None
-    """Set when only decode can serve this form well: prompt logprobs make vLLM recompute the
-    prompt whatever KV it was given, beam search runs step by step in vLLM's server."""
+    paths: contract.Paths = contract.Paths(None, None, None, None)
+    """Which paths serve this request exactly (contract.py), from the request alone."""
     one_of_many: bool = False
     """One prompt of a several-prompt request (fanout.py merges its stream: not migrated)."""
     forwarded_ids: list[int] | None = None
@@ -64,6 +64,12 @@ class ClientBody(NamedTuple):
                 and all(type(t) is int for t in p)):
             return p
         return None
+
+    @property
+    def local_reason(self) -> str | None:
+        """Why only decode alone serves this form exactly (contract.py: the handoff
+        declines it), or None."""
+        return self.paths.handoff
 
     @property
     def n(self) -> int:
@@ -112,25 +118,16 @@ def parse(raw: bytes, chat: bool, prefix_chars: int) -> ClientBody:
     stream = fields.get("stream") is True
     text, n_ids = _prompt_text(fields, chat)
     tokens = n_ids if n_ids is not None else max(1, len(text) // 4)
-    mt = fields.get("max_completion_tokens") if chat else None
-    if not isinstance(mt, int):
-        mt = fields.get("max_tokens")
+    mt = fields.get(contract.limit_key(fields, chat))
     max_tokens = mt if isinstance(mt, int) and mt > 0 else 16
     key = text[:prefix_chars].encode("utf-8", "surrogatepass")
     prompt = fields.get("prompt")
     prompts = (prompt if not chat and isinstance(prompt, list) and len(prompt) > 1
                and all(isinstance(p, (str, list)) for p in prompt) else None)
+    n = fields.get("n")
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
     return ClientBody(raw, fields, chat, stream, RouteRequest(key, tokens, max_tokens), slo,
-                      prompts, _local_reason(fields))
-
-
-def _local_reason(fields: dict[str, Any]) -> str | None:
-    if fields.get("prompt_logprobs") is not None or (
-            fields.get("echo") is True and fields.get("logprobs") not in (None, False)):
-        return "prompt_logprobs"
-    if fields.get("use_beam_search") is True:
-        return "beam_search"
-    return None
+                      prompts, contract.paths(fields, chat, stream, n))
 
 
 def with_prompt(body: ClientBody, prompt: Any, prefix_chars: int) -> ClientBody:
@@ -169,8 +166,12 @@ def prefill_body(body: ClientBody, trace: str = "",
     # siblings share one pull through decode's prefix cache).
     if "n" in out:
         out["n"] = 1
-    for key in ("stream_options", "min_tokens", "best_of"):
+    for key in ("stream_options", "best_of"):
         out.pop(key, None)
+    # Its one token is sampled as the answer's first (first_token.py): under ``min_tokens``
+    # an end of sequence is masked there too. (An invalid one never gets here: contract.py.)
+    if isinstance(m := out.pop("min_tokens", None), int) and m > 0:
+        out["min_tokens"] = 1
     params = PREFILL_KV_PARAMS
     if body.slo is not None:
         params = {**params, SLO_PARAMS_KEY: body.slo}

@@ -38,7 +38,7 @@ from kvdisagg.proxy.legs import (
     outcome_of,
     status_outcome,
 )
-from kvdisagg.proxy.migrate import Tap, continuation, wants_token_ids
+from kvdisagg.proxy.migrate import Tap, continuation, ending, include_usage, wants_token_ids
 from kvdisagg.proxy.policies import Selection, Verdict
 from kvdisagg.proxy.prefill import Prefilled, prefill
 from kvdisagg.proxy.registry import Instance, Outcome
@@ -87,10 +87,10 @@ class Failed(NamedTuple):
 
 
 def migratable(s: Serving, body: bodies.ClientBody) -> bool:
-    """A stream the proxy can move to another decode if its decode fails (migrate.py)."""
-    # echo: vLLM echoes no prompt text when return_token_ids is set, so it is not asked.
-    return (body.stream and body.n == 1 and not body.one_of_many
-            and body.fields.get("echo") is not True and s.cfg.retry.migrations > 0)
+    """A stream the proxy can move to another decode if its decode fails (migrate.py): the
+    contract allows it (contract.py) and migrations are on."""
+    return (body.paths.migration is None and not body.one_of_many
+            and s.cfg.retry.migrations > 0)
 
 
 async def open_decode(s: Serving, ctx: RequestCtx, pre: Prefilled,
@@ -272,6 +272,14 @@ async def relay_led(s: Serving, request: web.Request, ctx: RequestCtx,
     await out.write(led.events)
     first = _now()
     event(ctx.root, "first_token_from_prefill")
+    if led.body is None:  # prefill's token ended the answer
+        await out.write_eof()
+        e2e = first - ctx.t0
+        s.metrics.e2e.observe(e2e)
+        s.metrics.ttft.observe(e2e)
+        s.metrics.judge(led.decode.instance.url if isinstance(led.decode.instance, Instance)
+                        else "", e2e, e2e, None, None)
+        return out, "ok"
     opened = await open_decode(s, ctx.with_body(led.body), led.pre, led.decode, led.avoid)
     if isinstance(opened, web.Response) or not 200 <= opened.resp.status < 300:
         if isinstance(opened, Opened):  # an error status: its body says why
@@ -332,6 +340,13 @@ async def _relay(s: Serving, request: web.Request, ctx: RequestCtx, out: web.Str
                 leg.leg.fail(kind_of(exc), outcome_of(exc))
                 log.warning("request %s: decode %s failed mid-stream: %s", ctx.rid,
                             leg.inst.url, exc)
+                if tap is not None and tap.finished:
+                    # The answer was whole (its finish_reason delivered): only its usage
+                    # event and [DONE] are missing. A continuation would generate past it.
+                    await out.write(ending(tap, include_usage(ctx.body.fields)))
+                    s.metrics.migration("finished")
+                    outcome, result = "ok", Outcome.OK
+                    break
                 moved = await _migrate(s, ctx, leg, tap, body, moves)
                 if not isinstance(moved, tuple):
                     await out.write(error_event(504 if isinstance(exc, UpstreamTimeout)

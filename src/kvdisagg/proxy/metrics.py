@@ -128,8 +128,10 @@ class Metrics:
         self.predicted_hits[url] = self.predicted_hits.get(url, 0) + tokens
 
     def migration(self, outcome: str) -> None:
-        """A stream whose decode failed mid-way: moved (``ok``), or not (``failed``,
-        ``exhausted``: retry.migrations used up, ``impossible``: nothing to resume from)."""
+        """A stream whose decode failed mid-way: moved (``ok``), ended as it was
+        (``finished``: its last token was delivered, only usage and [DONE] were owed), or not
+        (``failed``, ``exhausted``: retry.migrations used up, ``impossible``: nothing to
+        resume from)."""
         self.migrations[outcome] = self.migrations.get(outcome, 0) + 1
 
     def rejected(self, reason: str) -> None:

@@ -31,16 +31,27 @@ from typing import Any
 import msgspec
 
 from kvdisagg.proxy import body as bodies
+from kvdisagg.proxy import contract
 
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 
 _TOKEN_IDS = re.compile(rb'"token_ids":(\[[0-9, ]*\])')
 _PROMPT_IDS = re.compile(rb'"prompt_token_ids":(\[[0-9, ]*\])')
+_CREATED = re.compile(rb'"created":([0-9]+)')
+_MODEL = re.compile(rb'"model":("(?:[^"\\]|\\.)*")')
+_FINISHED = re.compile(rb'"finish_reason":"')
+_USAGE_EVENT = re.compile(rb'"choices":\[\],')
 
 
 def wants_token_ids(fields: dict[str, Any]) -> bool:
     return fields.get("return_token_ids") is True
+
+
+def include_usage(fields: dict[str, Any]) -> bool:
+    """The client asked for the stream's usage event."""
+    options = fields.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
 
 
 class Tap:
@@ -49,7 +60,7 @@ class Tap:
     waits for the rest)."""
 
     __slots__ = ("chat", "strip", "carry", "prompt_ids", "ids", "id", "resumed", "skip_role",
-                 "base", "failure")
+                 "base", "failure", "created", "model", "finished", "usage_sent")
 
     def __init__(self, chat: bool, strip: bool, resumed: Tap | None = None) -> None:
         self.chat, self.strip = chat, strip
@@ -58,6 +69,11 @@ class Tap:
         self.ids: list[int] = list(resumed.ids) if resumed else []
         self.base = len(self.ids)  # tokens delivered before this leg (its prompt's tail)
         self.id: bytes = resumed.id if resumed else b""
+        self.created: bytes = resumed.created if resumed else b""
+        self.model: bytes = resumed.model if resumed else b""
+        # The client has the answer's finish_reason (the last token), and its usage event.
+        self.finished: bool = resumed.finished if resumed else False
+        self.usage_sent: bool = resumed.usage_sent if resumed else False
         self.resumed = resumed is not None
         self.skip_role = self.resumed and chat  # the client already has the role chunk
         # The server error vLLM ended the stream with (its engine died): the leg failed.
@@ -80,6 +96,14 @@ class Tap:
             self.ids += _decode(m.group(1))
         if not self.id and (m := re.search(rb'"id":"([^"]*)"', data)):
             self.id = m.group(1)
+        if not self.created and (m := _CREATED.search(data)):
+            self.created = m.group(1)
+        if not self.model and (m := _MODEL.search(data)):
+            self.model = m.group(1)
+        if _FINISHED.search(data):
+            self.finished = True
+        if _USAGE_EVENT.search(data):
+            self.usage_sent = True
         if self.resumed:
             data = self._as_original(data)
         if self.strip:  # as a plain vLLM 0.32 stream has them, chat and completions alike
@@ -121,8 +145,28 @@ class Tap:
                 event = b"data: " + _encode(doc)
             elif m is not None:
                 event = event[:m.start(1)] + self.id + event[m.end(1):]
+            # The original's creation time, and its prompt ids only in its own first event
+            # (the continuation's prompt is the original's plus the delivered tokens).
+            if self.created:
+                event = _CREATED.sub(b'"created":' + self.created, event, count=1)
+            event = _PROMPT_IDS.sub(b'"prompt_token_ids":null', event)
             out.append(event)
         return b"\n\n".join(out)
+
+
+def ending(tap: Tap, include_usage: bool) -> bytes:
+    """What a stream whose leg broke after its last token still owes the client: the usage
+    event (when asked for and not sent yet, as vLLM writes it: null members left out) and
+    ``[DONE]``; the answer itself is whole (``tap.finished``)."""
+    out = b""
+    if include_usage and not tap.usage_sent and tap.prompt_ids is not None:
+        prompt, completion = len(tap.prompt_ids), len(tap.ids)
+        out = b'data: {"id":"%s","object":"%s","created":%s,"model":%s,"choices":[],' \
+              b'"usage":{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d}}\n\n' % (
+                  tap.id, b"chat.completion.chunk" if tap.chat else b"text_completion",
+                  tap.created or b"0", tap.model or b'""', prompt, prompt + completion,
+                  completion)
+    return out + b"data: [DONE]\n\n"
 
 
 def _shift_usage(usage: Any, delivered: int) -> None:
@@ -143,15 +187,14 @@ def continuation(body: bodies.ClientBody, tap: Tap, prefix_chars: int
         return None
     fields = dict(body.fields)
     delivered = len(tap.ids) - tap.base  # by this leg; ``body`` already counts the earlier
-    key = ("max_completion_tokens" if body.chat and "max_completion_tokens" in fields
-           else "max_tokens")
-    limit = fields.get(key)
-    if isinstance(limit, int):
+    key = contract.limit_key(fields, body.chat)
+    limit = body.paths.limit  # an integer or absent: contract.py declines the other forms
+    if limit is not None:
         if limit - delivered <= 0:
             return None
         fields[key] = limit - delivered
-    if isinstance(fields.get("min_tokens"), int):
-        fields["min_tokens"] = max(0, fields["min_tokens"] - delivered)
+    if (m := fields.get("min_tokens")) is not None:
+        fields["min_tokens"] = max(0, m - delivered)
     fields["return_token_ids"] = True
     ids = [*tap.prompt_ids, *tap.ids]
     if body.chat:

@@ -31,12 +31,20 @@ CMPL = {"id": "cmpl-99", "object": "text_completion", "created": 17, "model": "t
 
 
 def parsed(data: bytes) -> list[Any]:
-    assert data.endswith(b"\n\n") and b"[DONE]" not in data
-    return [json.loads(e[6:]) for e in data.split(b"\n\n") if e]
+    assert data.endswith(b"\n\n")
+    return [json.loads(e[6:]) for e in data.split(b"\n\n") if e and e != b"data: [DONE]"]
+
+
+def made(chat: bool, answer: dict[str, Any], include_usage: bool = False) -> tuple[bytes, bool]:
+    out = first_events(chat, json.dumps(answer).encode(), include_usage)
+    assert out is not None
+    return out
 
 
 def test_events_are_those_vllm_streams_first() -> None:
-    role, token = parsed(first_events(True, json.dumps(CHAT).encode()) or b"")
+    data, ended = made(True, CHAT)
+    assert not ended and b"[DONE]" not in data
+    role, token = parsed(data)
     head = {"id": "chatcmpl-b1", "object": "chat.completion.chunk", "created": 17,
             "model": "tiny"}
     assert role == {**head, "choices": [{"index": 0, "delta": {"role": "assistant",
@@ -46,7 +54,7 @@ def test_events_are_those_vllm_streams_first() -> None:
     assert token == {**head, "choices": [{"index": 0, "delta": {"content": " page"},
                                           "logprobs": None, "finish_reason": None,
                                           "token_ids": [419]}]}
-    (only,) = parsed(first_events(False, json.dumps(CMPL).encode()) or b"")
+    (only,) = parsed(made(False, CMPL)[0])
     assert only == {"id": "cmpl-99", "object": "text_completion", "created": 17,
                     "model": "tiny", "choices": [{
                         "index": 0, "text": "en", "logprobs": None, "finish_reason": None,
@@ -54,24 +62,59 @@ def test_events_are_those_vllm_streams_first() -> None:
                         "token_ids": [266]}]}
 
 
+@pytest.mark.parametrize("text", ["", "caf\ufffd"])
+def test_a_token_without_text_is_sent_as_vllm_sends_it(text: str) -> None:
+    """A special token, or bytes of a character the next token ends: vLLM streams the token
+    with the text its detokenizer gave (none, held back), and so does the proxy. Taking the
+    path and then sampling again because of the token's value would bias sampling."""
+    answer = json.loads(json.dumps(CMPL))
+    answer["choices"][0]["text"] = text
+    data, ended = made(False, answer)
+    (only,) = parsed(data)
+    assert not ended and only["choices"][0]["text"] == text
+    answer = json.loads(json.dumps(CHAT))
+    answer["choices"][0]["message"]["content"] = None if not text else text
+    assert parsed(made(True, answer)[0])[1]["choices"][0]["delta"] == {"content": text}
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_an_end_of_sequence_first_token_is_the_whole_answer(chat: bool) -> None:
+    """Prefill's token ended the answer (EOS or a stop token): the stream ends there with
+    vLLM's finish event, its usage event (when asked for: null members left out, as vLLM
+    writes it) and [DONE]."""
+    answer = json.loads(json.dumps(CHAT if chat else CMPL))
+    answer["choices"][0] |= {"finish_reason": "stop", "stop_reason": 7}
+    answer["usage"] = {"prompt_tokens": 3, "total_tokens": 4, "completion_tokens": 1,
+                       "prompt_tokens_details": None}
+    data, ended = made(chat, answer, include_usage=True)
+    assert ended and data.endswith(b"data: [DONE]\n\n")
+    evs = parsed(data)
+    last = evs[-2]["choices"][0]
+    assert (last["finish_reason"], last["stop_reason"]) == ("stop", 7)
+    assert evs[-1]["choices"] == [] and evs[-1]["usage"] == {
+        "prompt_tokens": 3, "total_tokens": 4, "completion_tokens": 1}
+    data, ended = made(chat, answer, include_usage=False)
+    assert ended and b'"usage"' not in data
+
+
 @pytest.mark.parametrize("change", [
-    {"finish_reason": "stop"},  # EOS or a stop token: the answer ended
+    {"finish_reason": "abort"},  # the leg failed: the ordinary handoff
+    {"finish_reason": None},
     {"token_ids": None},
-    {"text": ""},  # a special token, or bytes of a character the next token ends
-    {"text": "caf\ufffd"},
+    {"token_ids": [1, 2]},
 ])
-def test_no_events_unless_prefills_answer_is_an_ordinary_first_token(change: dict) -> None:
+def test_no_events_unless_prefill_answered_one_token(change: dict) -> None:
     answer = json.loads(json.dumps(CMPL))
     answer["choices"][0] |= change
-    assert first_events(False, json.dumps(answer).encode()) is None
-    assert first_events(False, b"not json") is None
+    assert first_events(False, json.dumps(answer).encode(), False) is None
+    assert first_events(False, b"not json", False) is None
 
 
 def test_no_events_for_a_parsers_output() -> None:
     for message in ({"content": None, "reasoning": "hm"}, {"content": "", "tool_calls": [{}]}):
         answer = json.loads(json.dumps(CHAT))
         answer["choices"][0]["message"] = {"role": "assistant", **message}
-        assert first_events(True, json.dumps(answer).encode()) is None
+        assert first_events(True, json.dumps(answer).encode(), False) is None
 
 
 @pytest.mark.parametrize("fields, want", [
@@ -87,7 +130,13 @@ def test_no_events_for_a_parsers_output() -> None:
     ({"presence_penalty": 0.5}, False),
     ({"response_format": {"type": "json_object"}}, False),
     ({"stream_options": {"include_usage": True, "continuous_usage_stats": True}}, False),
-    ({"add_generation_prompt": False}, False),
+    ({"max_tokens": 8.0}, False),  # vLLM reads 8; a continuation could not reduce it exactly
+    ({"min_tokens": 3}, True),
+    ({"min_tokens": 9}, False),  # above the limit: vLLM's 400, from decode alone
+    ({"min_tokens": -1}, False),
+    ({"bad_words": ["x"]}, False),
+    ({"truncate_prompt_tokens": 5}, False),
+    ({"some_new_field": 1}, False),  # a field the contract does not know
 ])
 def test_which_requests_take_it(fields: dict, want: bool) -> None:
     s: Any = SimpleNamespace(cfg=ProxyConfig())

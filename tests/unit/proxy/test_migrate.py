@@ -142,3 +142,57 @@ def test_echo_streams_ask_decode_for_no_token_ids() -> None:
             assert r.status == 200
             assert "return_token_ids" not in env.decode[0].seen[0]["body"]
     run(t())
+
+
+def _event(doc: dict[str, Any]) -> bytes:
+    import json
+
+    return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
+
+
+def test_a_continuation_keeps_the_originals_created_and_prompt_ids() -> None:
+    """(issue 26 #4) return_token_ids streams: the continuation's first event carries its own
+    prompt (the original's plus the delivered tokens) and its own creation time; the client
+    gets the original's prompt ids once, in the first event, and one ``created``."""
+    import json
+
+    from kvdisagg.proxy.migrate import Tap
+
+    first = Tap(False, strip=False)
+    first.feed(_event({"id": "cmpl-a", "created": 100, "model": "tiny", "choices": [{
+        "index": 0, "text": "x", "prompt_token_ids": [1, 2], "token_ids": [7]}]}))
+    resumed = Tap(False, strip=False, resumed=first)
+    out = resumed.feed(_event({"id": "cmpl-b", "created": 105, "model": "tiny", "choices": [{
+        "index": 0, "text": "y", "prompt_token_ids": [1, 2, 7], "token_ids": [8]}]}))
+    doc = json.loads(out[6:])
+    assert (doc["id"], doc["created"]) == ("cmpl-a", 100)
+    assert doc["choices"][0]["prompt_token_ids"] is None
+    assert resumed.ids == [7, 8] and resumed.prompt_ids == [1, 2]
+
+
+def test_a_break_after_the_last_token_ends_the_stream_as_vllm_would() -> None:
+    """(issue 26 #6) the finish_reason was delivered: a continuation would generate past the
+    end (or fail: nothing left of the limit). The client gets the usage event it asked for,
+    counted as vLLM counts it, and [DONE]."""
+    import json
+
+    from kvdisagg.proxy.migrate import Tap, ending
+
+    tap = Tap(True, strip=True)
+    tap.feed(_event({"id": "chatcmpl-a", "object": "chat.completion.chunk", "created": 9,
+                     "model": "tiny", "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                         "content": ""}}],
+                     "prompt_token_ids": [1, 2, 3]}))
+    assert not tap.finished
+    tap.feed(_event({"id": "chatcmpl-a", "object": "chat.completion.chunk", "created": 9,
+                     "model": "tiny", "choices": [{"index": 0, "delta": {"content": "z"},
+                                                   "finish_reason": "stop",
+                                                   "token_ids": [4, 5]}]}))
+    assert tap.finished and not tap.usage_sent
+    end = ending(tap, include_usage=True)
+    usage, done = [e for e in end.split(b"\n\n") if e]
+    assert done == b"data: [DONE]"
+    assert json.loads(usage[6:]) == {
+        "id": "chatcmpl-a", "object": "chat.completion.chunk", "created": 9, "model": "tiny",
+        "choices": [], "usage": {"prompt_tokens": 3, "total_tokens": 5, "completion_tokens": 2}}
+    assert ending(tap, include_usage=False) == b"data: [DONE]\n\n"

@@ -47,7 +47,8 @@ def test_handoff_passes_body_bytes_through_and_forwards_auth() -> None:
             assert (await r.json())["choices"][0]["text"].startswith("t0")
             p, d = env.prefill[0].seen[0], env.decode[0].seen[0]
             assert p["body"]["max_tokens"] == 1 and p["body"]["stream"] is False
-            assert "min_tokens" not in p["body"]
+            # its one token is the answer's first: an end of sequence masked there too
+            assert p["body"]["min_tokens"] == 1
             assert p["body"]["kv_transfer_params"]["do_remote_decode"] is True
             assert p["body"]["temperature"] == 0.7 and p["body"]["repetition_penalty"] == 1.1
             # decode gets the client's exact bytes plus the prefill's params, untouched
