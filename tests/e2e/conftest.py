@@ -63,7 +63,7 @@ def otlp_sink():
 
 
 @pytest.fixture(scope="session")
-def fleet(model: Path, otlp_sink):
+def session_fleet(model: Path, otlp_sink):
     """1P1D behind the proxy, a plain vLLM instance (``fleet.reference``: the baseline P/D must
     match), plus a decode instance whose transport corrupts what it moves. Every request is
     traced (otlp_sink): the whole suite runs with spans on."""
@@ -86,6 +86,19 @@ def fleet(model: Path, otlp_sink):
             yield fleet
     finally:
         corrupt.stop()
+
+
+@pytest.fixture(scope="session")
+def fleet(session_fleet):
+    """The session's fleet (a module may name its own fleet ``fleet``)."""
+    return session_fleet
+
+
+@pytest.fixture(scope="session")
+def plain(session_fleet) -> str:
+    """The base URL of a plain vLLM instance (no DisaggConnector, the same model and flags):
+    the answer every P/D path must give. Not the prefill instance: it runs the connector."""
+    return session_fleet.reference.base_url
 
 
 def post(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, dict[str, Any]]:

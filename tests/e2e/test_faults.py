@@ -79,7 +79,7 @@ PROXY = "kvdisagg_proxy_"
 
 
 @pytest.fixture(scope="module")
-def faults(model, tmp_path_factory):
+def faults(model, tmp_path_factory, plain):
     """1P2D behind the proxy. Both decodes pull through ``CuttingTcpTransport``: the plain TCP
     transport until a test arms it (one pull per arming)."""
     tmp = tmp_path_factory.mktemp("faults")
@@ -94,7 +94,7 @@ def faults(model, tmp_path_factory):
                   decode_extra={"transfer_timeout_seconds": TRANSFER_TIMEOUT_S,
                                 "transport": "tests.support.faults:CuttingTcpTransport"},
                   proxy_args=["--config", str(config)])
-    fleet.arm = arm
+    fleet.arm, fleet.plain = arm, plain
     with fleet:
         yield fleet
 
@@ -109,12 +109,10 @@ def body(i: int, seed: int, *, stream: bool, max_tokens: int, n_prompt: int | No
 
 
 def expected(fleet: Fleet, items: list[dict[str, Any]]) -> list[list[int]]:
-    """The plain answers: each prompt on one instance, no handoff (computed before a fault;
-    batched as a burst is: greedy answers do not depend on the batch). Under a cache salt of
-    their own: the burst's prompts must not find prefill's prefix cache warm."""
+    """The plain answers: each prompt on a plain vLLM instance (the session's, no
+    DisaggConnector; batched as a burst is: greedy answers do not depend on the batch)."""
     def one(b: dict[str, Any]) -> list[int]:
-        status, reply = post(fleet.prefill.base_url + "/v1/completions",
-                             {**b, "stream": False, "cache_salt": "plain"},
+        status, reply = post(fleet.plain + "/v1/completions", {**b, "stream": False},
                              timeout=CLIENT_TIMEOUT_S)
         assert status == 200, reply
         return reply["choices"][0]["token_ids"]

@@ -186,9 +186,21 @@ def pair(fleet: Any, cls: type) -> tuple[Any, Any]:
                  for url in (fleet.reference.base_url, fleet.proxy_url))
 
 
+FALLBACKS = ("prefill_failed", "no_healthy_prefill")
+
+
+def _fallbacks(fleet: Any) -> float:
+    return sum(metric(fleet.proxy_url, "kvdisagg_proxy_routed_total", route="decode_only",
+                      reason=r) for r in FALLBACKS)
+
+
 @pytest.fixture(scope="module")
 def clients(fleet):
-    return pair(fleet, openai.OpenAI), None  # async clients belong to their test's loop
+    """The clients; on the way out, that no answer of the module came from the decode-only
+    fallback (it recomputes the prompt on decode: equal answers with no KV moved)."""
+    before = _fallbacks(fleet)
+    yield pair(fleet, openai.OpenAI), None  # async clients belong to their test's loop
+    assert _fallbacks(fleet) == before, "a request fell back to decode alone"
 
 
 CASES = ([("completions", k, False) for k in COMPLETIONS] +

@@ -37,14 +37,21 @@ def completion(url: str, prompt, **kw):
 
 
 def reference(fleet, prompt):
-    """The single-instance answer: the prefill instance serving the whole request itself."""
-    return completion(fleet.prefill.base_url, prompt)
+    """A plain vLLM instance's answer (the session's, no DisaggConnector)."""
+    return completion(fleet.reference.base_url, prompt)
 
 
 @pytest.mark.parametrize("n_tokens", [1, 2, 127, 128, 129, 255, 256, 300, 700])
 def test_completion_token_identical(fleet, n_tokens):
+    """Token-identical to a plain instance, and from moved KV: every block of the prompt
+    pulled (identical tokens alone also come out of a silent recompute)."""
     prompt = prompt_ids(n_tokens, seed=n_tokens)
-    assert completion(fleet.proxy_url, prompt) == reference(fleet, prompt)
+    want = reference(fleet, prompt)
+    d = fleet.decode.base_url
+    pulled = metric(d, "vllm:kvdisagg_pulled_blocks_total")
+    assert completion(fleet.proxy_url, prompt) == want
+    assert wait_metric_change(d, "vllm:kvdisagg_pulled_blocks_total", pulled) - pulled \
+        == blocks(n_tokens)
 
 
 def test_decode_used_transferred_kv(fleet):
@@ -103,7 +110,7 @@ def test_a_prompt_computed_despite_a_handoff_is_counted(fleet):
 def test_chat_streaming_and_not(fleet):
     body = {**GEN, "messages": [{"role": "user", "content": "tell me about the sea " * 20}]}
     body.pop("return_token_ids")
-    status, ref = post(fleet.prefill.base_url + "/v1/chat/completions", body)
+    status, ref = post(fleet.reference.base_url + "/v1/chat/completions", body)
     assert status == 200
     ref_text = ref["choices"][0]["message"]["content"]
     status, got = post(fleet.proxy_url + "/v1/chat/completions", body)

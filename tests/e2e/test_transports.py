@@ -31,7 +31,7 @@ CHUNK = 256
 
 
 @pytest.fixture(scope="module", params=["nccl", "mooncake", "lmcache"])
-def tfleet(request, model):
+def tfleet(request, model, plain):
     name = request.param
     # mooncake: a read on a loaded 2-core host (the session's other fleet still up) took over
     # 5 s in CI and in the full suite here (30 ms alone); the bound is for dead peers, and the
@@ -51,11 +51,13 @@ def tfleet(request, model):
                       prefill_args=["--no-enable-prefix-caching"] if lmcache else [])
         stack.enter_context(fleet)
         fleet.transport, fleet.lmcache, fleet.timeout_s = name, lmcache, timeout_s
+        fleet.plain = plain  # the answers P/D must give (the session's plain instance)
         yield fleet
 
 
 def reference(fleet, prompt):
-    return completion(fleet.prefill.base_url, prompt)
+    """A plain vLLM instance's answer (no DisaggConnector)."""
+    return completion(fleet.plain, prompt)
 
 
 
@@ -74,7 +76,7 @@ def test_stream_continues_after_prefills_first_token(tfleet):
     decode continues with the prompt plus that token, one longer than the handoff (a store
     transport looks the KV up by prefill's tokens, not decode's)."""
     text = "The keeper counted the waves and wrote each one in his book. " * 12
-    status, ref = post(tfleet.prefill.base_url + "/v1/completions", {**GEN, "prompt": text})
+    status, ref = post(tfleet.plain + "/v1/completions", {**GEN, "prompt": text})
     assert status == 200, ref
     prompt = ref["choices"][0]["prompt_token_ids"]
     sent = metric(tfleet.proxy_url, "kvdisagg_proxy_first_tokens_from_prefill_total",
@@ -91,8 +93,12 @@ def test_stream_continues_after_prefills_first_token(tfleet):
 def test_concurrent_requests(tfleet):
     prompts = [prompt_ids(150 + 61 * i, seed=300 + i) for i in range(6)]
     refs = [reference(tfleet, p) for p in prompts]
+    d = tfleet.decode.base_url
+    pulls = metric(d, "vllm:kvdisagg_pulls_total")
     with ThreadPoolExecutor(6) as pool:
         assert list(pool.map(lambda p: completion(tfleet.proxy_url, p), prompts)) == refs
+    # KV moved for each (identical tokens alone also come out of a silent recompute)
+    assert wait_metric_change(d, "vllm:kvdisagg_pulls_total", pulls) - pulls == len(prompts)
 
 
 def test_prefill_holds_no_kv_afterwards(tfleet):

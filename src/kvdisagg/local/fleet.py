@@ -102,13 +102,14 @@ class Fleet:
     def proxy_url(self) -> str:
         return f"http://127.0.0.1:{self.proxy_port}"
 
-    def _spawn_proxy(self, port: int, args: Sequence[str], log_name: str
-                     ) -> subprocess.Popen[bytes]:
+    def _spawn_proxy(self, port: int, args: Sequence[str], log_name: str,
+                     decodes: Sequence[str] = ()) -> subprocess.Popen[bytes]:
         with open(self.log_dir / log_name, "wb") as log:
             return subprocess.Popen(
                 [sys.executable, "-m", "kvdisagg.cli", "proxy",
                  "--prefill", *(p.base_url for p in self.prefills),
-                 "--decode", *(d.base_url for d in self.decodes), "--host", "127.0.0.1",
+                 "--decode", *(decodes or [d.base_url for d in self.decodes]),
+                 "--host", "127.0.0.1",
                  "--port", str(port), *args],
                 stdout=log, stderr=subprocess.STDOUT)
 
@@ -125,13 +126,16 @@ class Fleet:
             raise
         return self
 
-    def extra_proxy(self, proxy_args: Sequence[str], name: str) -> str:
+    def extra_proxy(self, proxy_args: Sequence[str], name: str,
+                    decodes: Sequence[str] = ()) -> str:
         """Another proxy on the same instances (started fleet), with its own arguments (the
         fleet's ``kv_events`` tokenizer included, not ``--always-disaggregate``); stopped with
-        the fleet. Returns its URL once ready; its log is ``<name>.log``."""
+        the fleet. ``decodes``: other decode URLs than the fleet's (a relay in front of
+        them). Returns its URL once ready; its log is ``<name>.log``."""
         port = free_port()
         self.extra_proxies.append(
-            self._spawn_proxy(port, [*self.tokenizer_args, *proxy_args], f"{name}.log"))
+            self._spawn_proxy(port, [*self.tokenizer_args, *proxy_args], f"{name}.log",
+                              decodes))
         url = f"http://127.0.0.1:{port}"
         self.wait_proxy_ready(url=url)
         return url

@@ -1,0 +1,499 @@
+"""The differential conformance suite (issue 26): generated request forms, each sent to the
+proxy and to a plain vLLM instance without DisaggConnector (``fleet.reference``), compared
+field by field, on every path that accepts the form.
+
+Paths are forced by the proxy's flags, one proxy each, on the session's fleet:
+
+- ``first-token``: every request through prefill, a stream's first token from prefill;
+- ``ordinary``: every request through prefill, the ordinary handoff;
+- ``decide-early``: the proxy's decision (decode alone for short prompts) with early dispatch;
+- ``migrate``: as ``ordinary``, with decode behind a relay that breaks a chosen stream right
+  after its k-th event (tests/support/cutting_relay.py): k 0 (before any event), 1, the event
+  of a token inside a multi-byte character, and the finish event.
+
+Each response also shows the path it took (``X-Kvdisagg-Handoff``), which must be the one the
+contract (proxy/contract.py) gives for the form; decode's pull counter and the proxy's
+first-token counter must have moved for each request that claims them, so a silent recompute or
+a fallback can never pass as P/D. Greedy and seeded answers are reproducible, so comparisons are
+exact except logprobs (``LOGPROB_RTOL``: decode computes the prompt's last token in another
+kernel, as prefix caching does). ``prompt_tokens_details`` is compared too (null on both here).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from kvdisagg.proxy import contract
+from tests.support.cutting_relay import cutting_relay
+
+from .conftest import metric, wait_metric_change
+
+pytestmark = pytest.mark.e2e
+
+SEED = 2026
+FORMS = 44  # generated forms per mode, plus the issue's named holes (HOLES)
+LOGPROB_RTOL = 1e-4
+WORDS = ("sea fox dog tide salt wind shore wave gull rock sand reef boat net storm calm "
+         "café naïve 東京 señor ünter björk crème").split()
+EOS, PAD, PARTIAL_BYTE, LETTER_C = 2, 3, 131, 70  # tiny model ids: </s>, <pad>, 0xC3, "c"
+TOOL = {"type": "function", "function": {
+    "name": "get_tide", "description": "tide at a place",
+    "parameters": {"type": "object", "properties": {"place": {"type": "string"}}}}}
+
+
+def text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def form(rng: random.Random, i: int) -> tuple[str, dict[str, Any]]:
+    """One request form from the grammar: (endpoint, body)."""
+    chat = rng.random() < 0.5
+    stream = rng.random() < 0.65
+    long = rng.random() < 0.5
+    words = rng.randint(150, 260) if long else rng.randint(2, 30)
+    body: dict[str, Any] = {"model": "tiny", "stream": stream}
+    head = f"form {SEED}-{i}: "  # unique: no prefix hit from another form
+    if chat:
+        body["messages"] = [{"role": "system", "content": head + "answer briefly."},
+                            {"role": "user", "content": text(rng, words)}]
+        if rng.random() < 0.15:
+            body["messages"][1]["content"] = [{"type": "text", "text": text(rng, words)}]
+    elif rng.random() < 0.35:
+        body["prompt"] = [5 + (i * 7919 + k * 31) % 400 for k in range(words * 2)]
+    else:
+        body["prompt"] = head + text(rng, words)
+    k = rng.randint(1, 10)
+    limit = rng.choice(["max_tokens", "max_tokens", "float", "mct", "mct_null"] if chat
+                       else ["max_tokens", "max_tokens", "float"])
+    body.update({"max_tokens": {"max_tokens": k}, "float": {"max_tokens": float(k)},
+                 "mct": {"max_completion_tokens": k},
+                 "mct_null": {"max_completion_tokens": None, "max_tokens": k}}[limit])
+    if rng.random() < 0.7:
+        body["temperature"] = 0
+    else:
+        body.update(temperature=0.9, top_p=0.95, seed=rng.randint(1, 10_000))
+    if rng.random() < 0.15:
+        body["n"] = 2
+    optional: list[tuple[float, dict[str, Any]]] = [
+        (0.12, {"logprobs": True, "top_logprobs": rng.randint(0, 2)} if chat
+         else {"logprobs": rng.randint(0, 2)}),
+        (0.1, {"stop": [rng.choice(["e", "sea", " fox", "é"])]}),
+        (0.1, {"stop_token_ids": [rng.randint(40, 300)]}),
+        (0.1, {"min_tokens": rng.choice([0, k, k + 2, -1])}),
+        (0.1, {"ignore_eos": True}),
+        (0.08, {"presence_penalty": 0.5, "frequency_penalty": 0.3}),
+        (0.08, {"repetition_penalty": 1.3}),
+        (0.15, {"return_token_ids": True}),
+        (0.06, {"skip_special_tokens": False}),
+        (0.05, {"structured_outputs": {"choice": ["yes", "no"]}}),
+        (0.05, {"logit_bias": {str(rng.randint(40, 300)): 5.0}}),
+    ]
+    if not chat:
+        optional.append((0.06, {"echo": True}))
+    else:
+        optional.append((0.05, {"tools": [TOOL], "tool_choice": "none"}))
+    if stream:
+        optional.append((0.3, {"stream_options": {"include_usage": True}}))
+        optional.append((0.06, {"stream_options": {"include_usage": True,
+                                                   "continuous_usage_stats": True}}))
+    for p, fields in optional:
+        if rng.random() < p:
+            body.update(fields)
+    return ("chat" if chat else "completions"), body
+
+
+def chat_msgs(content: Any) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": content}]
+
+
+HOLES: list[tuple[str, dict[str, Any]]] = [
+    # (1) a multimodal part: the plain instance's answer (a text-only model's 400)
+    ("chat", {"model": "tiny", "stream": True, "max_tokens": 6, "temperature": 0,
+              "messages": chat_msgs([{"type": "text", "text": "what is this " * 40},
+                                     {"type": "image_url", "image_url": {
+                                         "url": "data:image/png;base64,iVBORw0KGgo="}}])}),
+    # (2) a null max_completion_tokens: vLLM takes max_tokens
+    ("chat", {"model": "tiny", "stream": True, "max_completion_tokens": None, "max_tokens": 5,
+              "temperature": 0, "messages": chat_msgs("tides " * 150)}),
+    ("chat", {"model": "tiny", "stream": True, "max_completion_tokens": None,
+              "max_tokens": 100000, "temperature": 0, "messages": chat_msgs("tides " * 150)}),
+    # (3) requests a plain instance refuses
+    ("completions", {"model": "tiny", "stream": True, "max_tokens": 4, "min_tokens": 6,
+                     "temperature": 0, "prompt": "salt " * 200}),
+    ("completions", {"model": "tiny", "stream": True, "max_tokens": 4, "min_tokens": -1,
+                     "temperature": 0, "prompt": "salt " * 200}),
+    # (4) token ids in a stream
+    ("completions", {"model": "tiny", "stream": True, "max_tokens": 8, "temperature": 0,
+                     "return_token_ids": True, "prompt": "reef " * 190,
+                     "stream_options": {"include_usage": True}}),
+    ("chat", {"model": "tiny", "stream": True, "max_tokens": 8, "temperature": 0,
+              "return_token_ids": True, "messages": chat_msgs("reef " * 190)}),
+    # (5) a first token that ends the answer, one without text, one inside a character
+    ("completions", {"model": "tiny", "stream": True, "max_tokens": 6, "temperature": 0,
+                     "allowed_token_ids": [EOS], "prompt": "gull " * 180,
+                     "stream_options": {"include_usage": True}}),
+    ("chat", {"model": "tiny", "stream": True, "max_tokens": 6, "temperature": 0,
+              "allowed_token_ids": [EOS], "messages": chat_msgs("gull " * 180)}),
+    ("completions", {"model": "tiny", "stream": True, "max_tokens": 4, "temperature": 0,
+                     "allowed_token_ids": [PAD], "prompt": "wave " * 180}),
+    ("completions", {"model": "tiny", "stream": True, "max_tokens": 4, "temperature": 0,
+                     "allowed_token_ids": [PARTIAL_BYTE, 106, 166, 255],
+                     "prompt": "wave " * 181}),
+    ("chat", {"model": "tiny", "stream": True, "max_tokens": 4, "temperature": 0,
+              "allowed_token_ids": [PARTIAL_BYTE, 106, 166, 255],
+              "messages": chat_msgs("wave " * 181)}),
+    # prompts shorter than a block; a full and a partial prefix hit on decode
+    ("completions", {"model": "tiny", "stream": True, "max_tokens": 5, "temperature": 0,
+                     "prompt": [7]}),
+    ("completions", {"model": "tiny", "stream": False, "max_tokens": 5, "temperature": 0,
+                     "prompt": [9, 10, 11]}),
+    ("completions", {"model": "tiny", "stream": True, "max_tokens": 5, "temperature": 0,
+                     "prompt": list(range(20, 276))}),
+    ("completions", {"model": "tiny", "stream": True, "max_tokens": 5, "temperature": 0,
+                     "prompt": list(range(20, 276))}),
+    ("completions", {"model": "tiny", "stream": True, "max_tokens": 5, "temperature": 0,
+                     "prompt": list(range(20, 276)) + [40, 41, 42]}),
+]
+
+
+def tagged(body: dict[str, Any], tag: int) -> dict[str, Any]:
+    """``body`` with a prompt of its own for one mode (decode caches what earlier modes
+    pulled: the same prompt again would load nothing)."""
+    body = json.loads(json.dumps(body))
+    if "messages" in body:
+        first = body["messages"][0]
+        if isinstance(first["content"], str):
+            first["content"] = f"[{tag}] " + first["content"]
+        else:
+            first["content"] = [{"type": "text", "text": f"[{tag}] "}, *first["content"]]
+    elif isinstance(body["prompt"], str):
+        body["prompt"] = f"[{tag}] " + body["prompt"]
+    else:
+        body["prompt"] = [400 + tag, *body["prompt"]]
+    return body
+
+
+def forms(tag: int) -> list[tuple[str, dict[str, Any]]]:
+    rng = random.Random(SEED)
+    return [(ep, tagged(body, tag)) for ep, body in [form(rng, i) for i in range(FORMS)]
+            + HOLES]
+
+
+# -- calling and normalizing ---------------------------------------------------------------
+
+def call(base: str, endpoint: str, body: dict[str, Any], rid: str = ""
+         ) -> tuple[dict[str, Any], str]:
+    """The answer normalized for comparison, and the ``X-Kvdisagg-Handoff`` header."""
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    headers = {"Content-Type": "application/json"}
+    if rid:
+        headers["X-Request-Id"] = rid
+    req = urllib.request.Request(base + path, json.dumps(body).encode(), headers)
+    try:
+        with urllib.request.urlopen(req, timeout=600) as r:
+            handoff = r.headers.get("X-Kvdisagg-Handoff", "")
+            if not body.get("stream"):
+                return plain(json.loads(r.read())), handoff
+            return merged(r), handoff
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            doc = {"raw": raw.decode("utf-8", "replace")}
+        err = doc.get("error") if isinstance(doc.get("error"), dict) else doc
+        return {"status": e.code, "type": err.get("type"),
+                "message": err.get("message")}, e.headers.get("X-Kvdisagg-Handoff", "")
+
+
+def plain(doc: dict[str, Any]) -> dict[str, Any]:
+    for key in ("id", "created", "system_fingerprint"):
+        doc.pop(key, None)
+    return doc
+
+
+def merged(r: Any) -> dict[str, Any]:
+    """A stream's events merged per choice: texts, token ids, logprobs concatenated; roles,
+    finish and stop reasons, prompt ids and usage as the list of what the events carried
+    (a second prompt_token_ids or role is a difference); errors; whether [DONE] came; and one
+    ``created`` and model for the whole stream."""
+    out: dict[str, Any] = {"choices": {}, "usage": [], "errors": [], "done": False,
+                           "prompt_token_ids": [], "created": set(), "model": set(),
+                           "object": set()}
+    for line in r:
+        line = line.strip()
+        if not line.startswith(b"data: "):
+            continue
+        if line == b"data: [DONE]":
+            out["done"] = True
+            continue
+        e = json.loads(line[6:])
+        if "error" in e:
+            out["errors"].append(e["error"])
+            continue
+        out["created"].add(e.get("created"))
+        out["model"].add(e.get("model"))
+        out["object"].add(e.get("object"))
+        if e.get("usage") is not None:
+            out["usage"].append(e["usage"])
+        if e.get("prompt_token_ids") is not None:
+            out["prompt_token_ids"].append(e["prompt_token_ids"])
+        for c in e.get("choices") or ():
+            m = out["choices"].setdefault(c["index"], {
+                "text": "", "token_ids": [], "roles": [], "finish": [], "stop": [],
+                "logprobs": [], "prompt_token_ids": [], "tool_calls": [], "keys": set()})
+            m["keys"] |= set(c)
+            delta = c.get("delta") or {}
+            m["text"] += (delta.get("content") or "") if "delta" in c else (c.get("text") or "")
+            if delta.get("role"):
+                m["roles"].append(delta["role"])
+            if delta.get("tool_calls"):
+                m["tool_calls"].append(delta["tool_calls"])
+            m["token_ids"].append(c.get("token_ids"))
+            if c.get("finish_reason") is not None:
+                m["finish"].append(c["finish_reason"])
+                m["stop"].append(c.get("stop_reason"))
+            if c.get("prompt_token_ids") is not None:
+                m["prompt_token_ids"].append(c["prompt_token_ids"])
+            lp = c.get("logprobs")
+            if lp and "content" in lp:  # chat: a list per token
+                m["logprobs"] += lp.get("content") or []
+            elif lp:  # completions: lists per field, one item per token
+                m["logprobs"] += [dict(zip(lp, items)) for items in zip(*lp.values())]
+    for m in out["choices"].values():
+        ids = m["token_ids"]
+        m["token_ids"] = (None if all(t is None for t in ids)
+                          else [t for part in ids if part for t in part])
+        m["keys"] = sorted(m["keys"])
+    out["created"] = len(out["created"])
+    out["model"], out["object"] = sorted(out["model"]), sorted(out["object"])
+    return out
+
+
+def differences(got: Any, want: Any, at: str = "") -> list[str]:
+    """Field-by-field differences; floats under ``logprob`` keys within LOGPROB_RTOL."""
+    if isinstance(want, dict) and isinstance(got, dict):
+        out = []
+        for k in sorted(set(want) | set(got), key=str):
+            if k not in got or k not in want:
+                out.append(f"{at}.{k}: {'missing' if k not in got else 'extra'}")
+            else:
+                out += differences(got[k], want[k], f"{at}.{k}")
+        return out
+    if isinstance(want, list) and isinstance(got, list):
+        if len(want) != len(got):
+            return [f"{at}: {len(got)} items, want {len(want)}: {got!r:.300} vs {want!r:.300}"]
+        return [d for i, (g, w) in enumerate(zip(got, want))
+                for d in differences(g, w, f"{at}[{i}]")]
+    if (isinstance(want, float) and isinstance(got, float) and "logprob" in at
+            and math.isclose(got, want, rel_tol=LOGPROB_RTOL, abs_tol=LOGPROB_RTOL)):
+        return []
+    return [] if got == want else [f"{at}: {got!r:.200} != {want!r:.200}"]
+
+
+# -- the suite -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def proxies(fleet) -> dict[str, str]:
+    strict = ["--always-disaggregate", "--no-decode-only-fallback"]
+    return {"first-token": fleet.extra_proxy(strict, "conformance-first-token"),
+            "ordinary": fleet.extra_proxy([*strict, "--no-first-token-from-prefill"],
+                                          "conformance-ordinary"),
+            "decide-early": fleet.extra_proxy(["--early-decode", "--local-prefill-tokens",
+                                               "128"], "conformance-decide-early")}
+
+
+def _expected_route(endpoint: str, body: dict[str, Any]) -> contract.Paths:
+    return contract.paths(body, endpoint == "chat", body.get("stream") is True,
+                          body.get("n") if isinstance(body.get("n"), int) else 1)
+
+
+def _warm_first_token(url: str) -> None:
+    """Until the proxy knows decode's max_model_len (its probes read it once): it takes the
+    first token from prefill only then."""
+    body = {"model": "tiny", "prompt": "warm " * 30, "max_tokens": 3, "stream": True,
+            "temperature": 0}
+    before = metric(url, "kvdisagg_proxy_first_tokens_from_prefill_total", outcome="sent")
+    for _ in range(60):
+        call(url, "completions", body)
+        if metric(url, "kvdisagg_proxy_first_tokens_from_prefill_total",
+                  outcome="sent") > before:
+            return
+        time.sleep(0.5)
+    raise AssertionError("the proxy never took the first token from prefill")
+
+
+MODES = ["first-token", "ordinary", "decide-early"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_form_as_a_plain_instance_answers(fleet, proxies, mode):
+    url = proxies[mode]
+    if mode == "first-token":
+        _warm_first_token(url)
+    d = fleet.decode.base_url
+    pulls0 = metric(d, "vllm:kvdisagg_pulls_total")
+    sent0 = metric(url, "kvdisagg_proxy_first_tokens_from_prefill_total", outcome="sent")
+    ordinary0 = metric(url, "kvdisagg_proxy_first_tokens_from_prefill_total",
+                       outcome="ordinary")
+    failed: list[str] = []
+    routes: Counter[str] = Counter()
+    first_tokens = long_pd = 0
+    for i, (endpoint, body) in enumerate(forms(MODES.index(mode))):
+        want, _ = call(fleet.reference.base_url, endpoint, body)
+        got, handoff = call(url, endpoint, body)
+        diffs = differences(got, want)
+        paths = _expected_route(endpoint, body)
+        ok = "status" not in want
+        if ok and mode != "decide-early":
+            expect = "pd" if paths.handoff is None else f"decode_only:{paths.handoff}"
+            if handoff != expect:
+                diffs.append(f"path: {handoff!r}, the contract says {expect!r}")
+        if ok and mode == "decide-early" and paths.handoff is not None:
+            if handoff != f"decode_only:{paths.handoff}":
+                diffs.append(f"path: {handoff!r}, the contract says decode alone")
+        routes[handoff or "-"] += 1
+        if ok and handoff == "pd":
+            if mode == "first-token" and paths.first_token is None:
+                first_tokens += 1
+            prompt = body.get("prompt") or body.get("messages")
+            if len(json.dumps(prompt)) > 600 and i < FORMS:  # unique prompts over 128 tokens
+                long_pd += 1
+        if diffs:
+            failed.append(f"form {i} {endpoint} {json.dumps(body)[:300]}\n  " +
+                          "\n  ".join(diffs[:8]))
+    assert not failed, f"{len(failed)} forms differ ({mode}):\n" + "\n".join(failed)
+    # KV really moved, and the first tokens really came from prefill
+    pulls = wait_metric_change(d, "vllm:kvdisagg_pulls_total", pulls0) - pulls0
+    assert pulls >= long_pd > 0, (pulls, long_pd, routes)
+    sent = metric(url, "kvdisagg_proxy_first_tokens_from_prefill_total", outcome="sent")
+    ordinary = metric(url, "kvdisagg_proxy_first_tokens_from_prefill_total",
+                      outcome="ordinary")
+    assert (sent - sent0, ordinary - ordinary0) == (first_tokens, 0), routes
+
+
+def _cut_points(want: dict[str, Any]) -> list[int]:
+    """Where to break a stream of ``want``'s events: before any, after the first, after the
+    event of a token inside a multi-byte character, after the finish event."""
+    n = len(next(iter(want["choices"].values()))["token_ids"] or [])
+    return sorted({0, 1, max(1, n // 2), n})
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_a_stream_broken_at_any_token_gives_the_plain_answer(fleet, endpoint):
+    """Migration, injected: decode's stream breaks after its k-th event; the proxy finishes
+    the answer on decode (the continuation) and the client's stream is the plain instance's,
+    text included (a break inside a multi-byte character: the prompt is made so that bytes
+    of one character are likely, ``allowed_token_ids``)."""
+    with cutting_relay(fleet.decode.base_url) as relay:
+        # the ordinary handoff: decode's leg carries every event, so k counts them all
+        url = fleet.extra_proxy(["--always-disaggregate", "--no-decode-only-fallback",
+                                 "--no-first-token-from-prefill"],
+                                f"conformance-migrate-{endpoint}", decodes=[relay.url])
+        failed = []
+        bodies = [
+            {"model": "tiny", "stream": True, "max_tokens": 8, "temperature": 0,
+             "return_token_ids": True, "stream_options": {"include_usage": True}},
+            {"model": "tiny", "stream": True, "max_tokens": 6, "temperature": 0,
+             "allowed_token_ids": [PARTIAL_BYTE, 106, 166, 255, 169, LETTER_C]},
+            {"model": "tiny", "stream": True, "max_tokens": 7, "temperature": 0,
+             "stream_options": {"include_usage": True}},
+        ]
+        migrated0 = metric(url, "kvdisagg_proxy_migrations_total")
+        cuts = 0
+        for b, extra in enumerate(bodies):
+            prompt = f"break {endpoint} {b}: " + "tide and salt " * 60
+            body = {**extra, **({"messages": chat_msgs(prompt)} if endpoint == "chat"
+                                else {"prompt": prompt})}
+            want, _ = call(fleet.reference.base_url, endpoint, body)
+            for k in _cut_points(want) + ([len(want["choices"][0]["token_ids"] or []) + 1]
+                                          if endpoint == "chat" else []):
+                got, handoff = call(url, endpoint, body, rid=f"cut{k}-{endpoint}-{b}-{k}")
+                diffs = differences(got, want)
+                if handoff != "pd":
+                    diffs.append(f"path {handoff!r}")
+                if diffs:
+                    failed.append(f"body {b} cut after event {k}: " + "; ".join(diffs[:6]))
+                cuts += 1
+        assert not failed, "\n".join(failed)
+        assert len(relay.cut) == cuts  # every stream was broken where asked
+        # breaks after the first event migrated (or, after the last token, just ended)
+        assert metric(url, "kvdisagg_proxy_migrations_total") - migrated0 >= cuts - len(bodies)
+
+
+# -- sampling equivalence ----------------------------------------------------------------------
+
+SAMPLES = 160
+ALPHA = 0.001
+
+
+def _chi2(a: Counter[Any], b: Counter[Any]) -> float:
+    keys = set(a) | set(b)
+    na, nb = sum(a.values()), sum(b.values())
+    stat = 0.0
+    for k in keys:
+        tot = a[k] + b[k]
+        for n, c in ((na, a[k]), (nb, b[k])):
+            e = tot * n / (na + nb)
+            stat += (c - e) ** 2 / e if e else 0.0
+    return stat
+
+
+def _permutation_p(a: list[Any], b: list[Any], rounds: int = 2000) -> float:
+    """The share of random relabellings whose chi-square is at least the observed one."""
+    rng = random.Random(7)
+    observed = _chi2(Counter(a), Counter(b))
+    pooled = a + b
+    hits = 0
+    for _ in range(rounds):
+        rng.shuffle(pooled)
+        if _chi2(Counter(pooled[:len(a)]), Counter(pooled[len(a):])) >= observed - 1e-9:
+            hits += 1
+    return (hits + 1) / (rounds + 1)
+
+
+def test_the_first_two_tokens_are_sampled_as_a_plain_instance_samples_them(fleet, proxies):
+    """Unseeded sampling over a few tokens chosen to be hard (end of sequence, a special token
+    without text, a byte of a multi-byte character, a letter): the distribution of the first
+    two tokens through the first-token path equals the plain instance's. A path that sampled
+    again after an unwanted first token would make that token's probability p² instead of p.
+
+    Power: with SAMPLES answers a side, a permutation chi-square test at ALPHA 0.001 rejects
+    a shift of one token's share from 0.25 to 0.0625 (the p² bias) with probability > 0.99
+    (binomial: 40 vs 10 expected, z > 4.5), while a true equality fails once in a thousand
+    runs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    url = proxies["first-token"]
+    _warm_first_token(url)
+    body = {"model": "tiny", "stream": True, "max_tokens": 2, "temperature": 2.0,
+            "return_token_ids": True, "allowed_token_ids": [EOS, PAD, PARTIAL_BYTE, LETTER_C],
+            "skip_special_tokens": True}
+    sent0 = metric(url, "kvdisagg_proxy_first_tokens_from_prefill_total", outcome="sent")
+
+    def sample(base: str, i: int) -> tuple[int, ...]:
+        b = {**body, "prompt": f"sample {i % 8}: " + "sea " * 140}
+        got, _ = call(base, "completions", b)
+        assert not got["errors"] and got["done"], got
+        return tuple(got["choices"][0]["token_ids"])
+
+    with ThreadPoolExecutor(4) as pool:
+        plain = list(pool.map(lambda i: sample(fleet.reference.base_url, i), range(SAMPLES)))
+        pd = list(pool.map(lambda i: sample(url, i), range(SAMPLES)))
+    assert metric(url, "kvdisagg_proxy_first_tokens_from_prefill_total",
+                  outcome="sent") - sent0 == SAMPLES
+    firsts_plain, firsts_pd = [t[0] for t in plain], [t[0] for t in pd]
+    assert len(set(firsts_plain)) >= 3, Counter(firsts_plain)  # the test has something to see
+    p_first = _permutation_p(firsts_plain, firsts_pd)
+    p_pair = _permutation_p(plain, pd)
+    assert p_first > ALPHA and p_pair > ALPHA, (Counter(firsts_plain), Counter(firsts_pd),
+                                                p_first, p_pair)
