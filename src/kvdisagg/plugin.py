@@ -1,4 +1,6 @@
 """vLLM general plugin, loaded in every vLLM process: registers DisaggConnector (idempotent),
+where it serves DisaggConnector primes a continuation's detokenizer as the plain instance's
+was (compat/_vllm_detokenizer.py),
 on CPU hosts left to vLLM's default core binding makes OpenMP wait passively, and works around
 two bugs of vLLM 0.32's CPU worker: the pipeline-parallel receive buffer never allocated in eager
 mode, and a seeded request whose prompt is computed in chunks killing the engine."""
@@ -31,6 +33,10 @@ def register() -> None:
             "DisaggConnector", "kvdisagg.connector.connector", "DisaggConnector")
     except ValueError:  # "already registered": vLLM loads plugins once per process, or more
         pass
+    if serves_disagg_connector(sys.argv):  # a continuation's text as the plain instance's
+        from kvdisagg.compat._vllm_detokenizer import prime_continuations
+
+        prime_continuations()
     _passive_omp_on_shared_cores(os.environ, sys.argv)
     _cpu_pp_receive_buffer()
     _cpu_seeded_chunks()

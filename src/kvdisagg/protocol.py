@@ -79,6 +79,13 @@ class EarlyHandoff(msgspec.Struct, frozen=True, kw_only=True):
     token: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{16,128}$")]
 
 
+RESUME_PARAMS_KEY = "kvdisagg_resume"
+"""Key of a continuation's ``kv_transfer_params`` (the proxy's: the first token from prefill, a
+migrated stream): how many of its prompt tokens are the original request's prompt, the rest
+being tokens the client already got. Decode's detokenizer is then primed as the plain instance's
+was after those tokens (compat/_vllm_detokenizer.py), so the next token's text is the same."""
+
+
 SLO_PARAMS_KEY = "kvdisagg_slo"
 """Key of a request's ``kv_transfer_params`` carrying its RequestSlo, e.g.
 ``{"kvdisagg_slo": {"ttft_s": 0.5}}``: the one key a client may send there (the proxy passes it

@@ -130,3 +130,42 @@ def test_vllm_cpu_runner_rewinds_dropped_samples_by_offset() -> None:
     assert callable(CPUModelRunner._sample)
     source = inspect.getsource(GPUModelRunner._bookkeeping_sync)
     assert "discard_request_mask" in source and "set_offset" in source
+
+
+def test_a_continuation_is_detokenized_as_the_plain_instance_did() -> None:
+    """(issue 26) a continuation's prompt ends inside a multi-byte character (the client got
+    its first byte): primed with the whole prompt, vLLM's detokenizer then returns the whole
+    prompt's text with the character; primed where the original prompt ended and stepped
+    through the delivered tokens, it returns what the plain instance returned."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+    from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer
+
+    from kvdisagg.compat._vllm_detokenizer import prime_continuations, resume_point
+    from kvdisagg.local.tiny_model import ensure_tiny_model
+    from kvdisagg.protocol import RESUME_PARAMS_KEY
+
+    tok = AutoTokenizer.from_pretrained(str(ensure_tiny_model()))
+    prompt, out = [400, 7], [131, 106, 70, 71]  # "river$", then "é" in two bytes, "cd"
+
+    def texts(prompt_ids: list[int], tokens: list[int], kv: dict | None = None) -> list[str]:
+        params = SamplingParams(max_tokens=8, extra_args={"kv_transfer_params": kv} if kv
+                                else None)
+        req = SimpleNamespace(request_id="r", prompt_token_ids=prompt_ids,
+                              sampling_params=params)
+        d = FastIncrementalDetokenizer(tok, req)
+        return [d.decode_next(t) for t in tokens]
+
+    plain = texts(prompt, out)
+    assert plain == ["", "é", "c", "d"]
+    cut = [*prompt, out[0]]  # the client has the first byte
+    assert texts(cut, out[1:])[0] != "é"  # vLLM's own priming: the bug this works around
+    prime_continuations()
+    prime_continuations()  # idempotent
+    assert texts(cut, out[1:], {RESUME_PARAMS_KEY: len(prompt)}) == plain[1:]
+    assert texts(prompt, out) == plain  # requests without the mark are untouched
+    bad = SimpleNamespace(prompt_token_ids=cut, sampling_params=SamplingParams(
+        extra_args={"kv_transfer_params": {RESUME_PARAMS_KEY: 9}}))
+    assert resume_point(bad) is None  # past the prompt: ignored

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from kvdisagg.errors import BodyError
-from kvdisagg.protocol import EARLY_PARAMS_KEY, SLO_PARAMS_KEY, RequestSlo
+from kvdisagg.protocol import EARLY_PARAMS_KEY, RESUME_PARAMS_KEY, SLO_PARAMS_KEY, RequestSlo
 from kvdisagg.proxy import contract
 from kvdisagg.proxy.policies import RouteRequest
 from kvdisagg.tracing import TRACE_PARAMS_KEY
@@ -51,6 +51,9 @@ class ClientBody(NamedTuple):
     """Which paths serve this request exactly (contract.py), from the request alone."""
     one_of_many: bool = False
     """One prompt of a several-prompt request (fanout.py merges its stream: not migrated)."""
+    resume_from: int | None = None
+    """A continuation's: how many of its prompt tokens are the original prompt (the rest were
+    delivered already); decode primes its detokenizer there (protocol.RESUME_PARAMS_KEY)."""
     forwarded_ids: list[int] | None = None
     """A chat request whose prompt the proxy already knows as token ids (a migrated stream's
     continuation): vLLM's ``kv_transfer_params.prompt_token_ids``, so its chat template is not
@@ -196,6 +199,9 @@ def decode_body(body: ClientBody, kv_params: bytes | None, trace: str = "",
     if body.forwarded_ids is not None:
         ids = b'"prompt_token_ids":' + _encode(body.forwarded_ids)
         kv_params = _insert(kv_params, ids) if kv_params is not None else b"{%s}" % ids
+    if body.resume_from is not None:
+        mark = b'"%s":%d' % (RESUME_PARAMS_KEY.encode(), body.resume_from)
+        kv_params = _insert(kv_params, mark) if kv_params is not None else b"{%s}" % mark
     if kv_params is None:
         return raw
     if trace:

@@ -197,8 +197,10 @@ def continuation(body: bodies.ClientBody, tap: Tap, prefix_chars: int
         fields["min_tokens"] = max(0, m - delivered)
     fields["return_token_ids"] = True
     ids = [*tap.prompt_ids, *tap.ids]
+    resume = len(tap.prompt_ids)  # decode's detokenizer resumes after the delivered tokens
     if body.chat:
         out = bodies.parse(_encode(fields), True, prefix_chars)
-        return out._replace(forwarded_ids=ids, slo=body.slo)
+        return out._replace(forwarded_ids=ids, slo=body.slo, resume_from=resume)
     fields["prompt"], fields["echo"] = ids, False
-    return bodies.parse(_encode(fields), False, prefix_chars)._replace(slo=body.slo)
+    return bodies.parse(_encode(fields), False, prefix_chars)._replace(slo=body.slo,
+                                                                      resume_from=resume)

@@ -169,6 +169,7 @@ def test_stream_starts_with_prefills_token_and_decode_continues_it() -> None:
             assert cb["max_tokens"] == 7
             ids = cb["kv_transfer_params"]["prompt_token_ids"] if chat else cb["prompt"]
             assert len(ids) == 6 and ids[-1] == 99
+            assert cb["kv_transfer_params"]["kvdisagg_resume"] == 5
             assert cb["kv_transfer_params"]["do_remote_prefill"] is True
             text = await env.metrics()
             assert metric(text, "kvdisagg_proxy_first_tokens_from_prefill_total",

@@ -46,6 +46,8 @@ def test_stream_migrates_to_another_decode_without_gap_or_duplicate() -> None:
             assert cb["max_tokens"] == 5 and cb["return_token_ids"] is True
             ids = (cb["kv_transfer_params"]["prompt_token_ids"] if chat else cb["prompt"])
             assert ids[-3:] == [100, 101, 102] and len(ids) == 8
+            # decode's detokenizer resumes where the original prompt ended
+            assert cb["kv_transfer_params"]["kvdisagg_resume"] == 5
             text = await env.metrics()
             assert metric(text, "kvdisagg_proxy_migrations_total", outcome="ok") == 1
             assert metric(text, "kvdisagg_proxy_requests_total", outcome="ok") == 1
