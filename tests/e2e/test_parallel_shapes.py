@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from kvdisagg.local.fleet import kv_transfer_args
-from kvdisagg.local.servers import VllmServer
+from kvdisagg.local.servers import VllmServer, stop_all
 
 from .conftest import LOG_DIR, metric, post, prompt_ids, wait_kv_usage_zero
 
@@ -50,8 +50,7 @@ def instances(model):
             server.wait_ready(1200)
         yield servers
     finally:
-        for server in servers.values():
-            server.stop()
+        stop_all(servers.values())
 
 
 def complete(url: str, prompt: list[int], **extra: Any) -> dict[str, Any]:

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from kvdisagg.local.fleet import kv_transfer_args
-from kvdisagg.local.servers import VllmServer, free_port
+from kvdisagg.local.servers import VllmServer, free_port, stop_all
 
 from .conftest import LOG_DIR, metric, prompt_ids
 
@@ -219,8 +219,7 @@ class PD2:
                 self.proxy.wait(15)
             except subprocess.TimeoutExpired:
                 self.proxy.kill()
-        for s in (*self.prefill, self.decode):
-            s.stop()
+        stop_all((*self.prefill, self.decode))
 
     def prefill_requests(self, i: int) -> float:
         return metric(self.url, "kvdisagg_proxy_instance_requests_total",

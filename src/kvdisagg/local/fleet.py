@@ -4,7 +4,7 @@ benchmarks.
 By default each instance gets its own core (``VLLM_CPU_OMP_THREADS_BIND``); ``binds`` changes
 that, None for an instance meaning vLLM's own default (as users start it). Each instance has its
 own process group and log file; all start in parallel, since start-up dominates on small
-machines.
+machines, and stop in parallel.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvdisagg.local.servers import VllmServer, free_port, metric_value
+from kvdisagg.local.servers import VllmServer, free_port, metric_value, stop_all
 
 
 def kv_transfer_args(role: str, extra: dict[str, Any] | None = None,
@@ -173,15 +173,17 @@ class Fleet:
             time.sleep(0.5)
 
     def stop(self) -> None:
-        for proxy in (self.proxy, *self.extra_proxies):
-            if proxy and proxy.poll() is None:
-                proxy.terminate()
-                try:
-                    proxy.wait(10)
-                except subprocess.TimeoutExpired:
-                    proxy.kill()
-        for server in self.servers:
-            server.stop()
+        """The proxies, then the instances; each group signalled at once and then waited for,
+        so that shutdowns overlap (a fleet's teardown took a few seconds per process)."""
+        proxies = [p for p in (self.proxy, *self.extra_proxies) if p and p.poll() is None]
+        for proxy in proxies:
+            proxy.terminate()
+        for proxy in proxies:
+            try:
+                proxy.wait(10)
+            except subprocess.TimeoutExpired:
+                proxy.kill()
+        stop_all(self.servers)
 
     def __enter__(self) -> Fleet:
         return self.start()

@@ -11,13 +11,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
 from kvdisagg.bench.scrape import parse, total
 
-__all__ = ["LMCacheServer", "VllmServer", "free_port", "metric_value", "VllmServerError"]
+__all__ = ["LMCacheServer", "VllmServer", "free_port", "metric_value", "stop_all",
+           "VllmServerError"]
 
 
 class VllmServerError(RuntimeError):
@@ -70,6 +71,7 @@ class VllmServer:
         self.served_model_name = served_model_name
         self.proc: subprocess.Popen | None = None
         self._log_file: BinaryIO | None = None
+        self._terminated = False  # SIGTERM sent (terminate), stop() not yet done
 
     @property
     def base_url(self) -> str:
@@ -168,11 +170,19 @@ class VllmServer:
     def resume(self) -> None:
         self._signal_group(signal.SIGCONT)
 
+    def terminate(self) -> None:
+        """SIGTERM the process group and return at once; ``stop()`` then waits for it (and does
+        not signal again). Lets several instances shut down at the same time (``stop_all``)."""
+        if self.proc is not None and not self._terminated:
+            self._signal_group(signal.SIGTERM)
+            self._terminated = True
+
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM the process group, then SIGKILL it after ``grace_s``."""
+        """SIGTERM the process group (unless ``terminate()`` did), then SIGKILL it after
+        ``grace_s``."""
         if self.proc is None:
             return
-        self._signal_group(signal.SIGTERM)
+        self.terminate()
         try:
             self.proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
@@ -195,6 +205,7 @@ class VllmServer:
             self._log_file.close()
             self._log_file = None
         self.proc = None
+        self._terminated = False
         for path in self._socket_files():  # a killed publisher leaves its ipc:// file behind
             path.unlink(missing_ok=True)
 
@@ -220,6 +231,17 @@ class VllmServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def stop_all(servers: Iterable[VllmServer], grace_s: float = 15.0) -> None:
+    """Stop several instances at once: every one gets SIGTERM first, then each is waited for
+    as ``stop(grace_s)`` does (SIGKILL after ``grace_s``), so their shutdowns (a few seconds
+    each on a small host) overlap instead of adding up."""
+    servers = list(servers)
+    for server in servers:
+        server.terminate()
+    for server in servers:
+        server.stop(grace_s)
 
 
 class LMCacheServer:

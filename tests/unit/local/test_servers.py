@@ -1,6 +1,6 @@
 """VllmServer.stop leaves nothing behind: the process group gone, and the ``ipc://`` socket file
 of its KV events publisher removed (vLLM, killed, does not unlink it; fleets of the benchmarks
-and e2e tests left one in /tmp per run)."""
+and e2e tests left one in /tmp per run); stop_all stops several at once."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from kvdisagg.local.fleet import kv_events_args
-from kvdisagg.local.servers import VllmServer
+from kvdisagg.local.servers import VllmServer, stop_all
 
 
 def test_stop_ends_the_group_and_removes_the_publishers_socket_file(tmp_path: Path) -> None:
@@ -44,3 +45,48 @@ def test_an_instance_without_kv_events_has_no_socket_file(tmp_path: Path) -> Non
     assert server._socket_files() == []
     tcp = ["--kv-events-config", json.dumps({"endpoint": "tcp://*:5557"})]
     assert VllmServer(tmp_path / "m", extra_args=tcp)._socket_files() == []
+
+
+# A stand-in instance that takes a while to shut down: it notes when SIGTERM came, sleeps, notes
+# when it exits.
+SLOW_EXIT = """
+import signal, sys, time
+def bye(*_):
+    open(sys.argv[1] + ".term", "w").write(repr(time.monotonic()))
+    time.sleep(1.0)
+    open(sys.argv[1] + ".exit", "w").write(repr(time.monotonic()))
+    sys.exit(0)
+signal.signal(signal.SIGTERM, bye)
+open(sys.argv[1] + ".ready", "w").close()
+time.sleep(60)
+"""
+
+
+def test_stop_all_signals_every_instance_before_waiting_for_any(tmp_path: Path) -> None:
+    """Fleets stop their instances together: every one has its SIGTERM before the first has
+    finished shutting down, and each is gone afterwards."""
+    servers, marks = [], []
+    for i in range(3):
+        mark = tmp_path / f"s{i}"
+        server = VllmServer(tmp_path / "no-model")
+        server.proc = subprocess.Popen([sys.executable, "-c", SLOW_EXIT, str(mark)],
+                                       start_new_session=True)
+        servers.append(server)
+        marks.append(mark)
+    deadline = time.monotonic() + 60
+    while not all(m.with_suffix(".ready").exists() for m in marks):
+        assert time.monotonic() < deadline, "stand-ins never started"
+        time.sleep(0.05)
+    pids = [s.proc.pid for s in servers if s.proc is not None]
+    stop_all(servers, grace_s=10)
+    termed = [float(m.with_suffix(".term").read_text()) for m in marks]
+    exited = [float(m.with_suffix(".exit").read_text()) for m in marks]
+    assert max(termed) < min(exited), (termed, exited)
+    assert all(s.proc is None for s in servers)
+    for pid in pids:
+        try:
+            os.killpg(pid, 0)
+            alive = True
+        except ProcessLookupError:
+            alive = False
+        assert not alive
