@@ -2,8 +2,14 @@
 a colocated instance with a 1P1D pair behind the proxy, the proxy's own SLO accounting agrees
 with the client's, and a profile fitted from the live instance is accepted by the planner.
 
-One module-scoped fleet (prefill, decode, a plain reference: 3 instances) plus a second proxy
-configured with the bench's SLOs (the Fleet's proxy runs with default SLOs). Short loads.
+The session's fleet (its prefill, decode and plain reference; no instance of its own: three
+fewer vLLM start-ups) plus a second proxy configured with the bench's SLOs (the fleet's proxy
+runs with default SLOs and other flags). What the session's instances have that a default fleet
+lacks changes none of the checks: KV events and spans (exported, not asserted here), an 8 s
+lease (decode pulls at once; a waiting request's lease is renewed) and decode's 5 s transfer
+timeout (a bound on a silent peer, which a live prefill never is). Every check is on the
+requests of this run: bench counts phases and the proxy's SLO counters as differences across
+each run, and the profile's prompts never repeat. Short loads.
 """
 
 from __future__ import annotations
@@ -14,11 +20,12 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
 from kvdisagg.local.fleet import Fleet
-from kvdisagg.local.servers import free_port
+from kvdisagg.local.servers import VllmServer, free_port
 
 from .conftest import LOG_DIR
 
@@ -55,20 +62,29 @@ def start_slo_proxy(fleet: Fleet, log_dir: Path) -> tuple[subprocess.Popen[bytes
     raise RuntimeError(f"SLO proxy not ready; see {log_dir / 'slo-proxy.log'}")
 
 
+class BenchFleet(NamedTuple):
+    """The session fleet's instances bench measures, and the SLO proxy over its pair."""
+
+    prefill: VllmServer
+    decode: VllmServer
+    reference: VllmServer  # the colocated endpoint: a plain instance
+    slo_proxy_url: str
+
+
 @pytest.fixture(scope="module")
-def bench_fleet(model: Path):
+def bench_fleet(fleet: Fleet):
     log_dir = LOG_DIR / "bench"
-    with Fleet(model, log_dir, reference=True) as fleet:
-        proc, url = start_slo_proxy(fleet, log_dir)
-        fleet.slo_proxy_url = url  # type: ignore[attr-defined]
+    log_dir.mkdir(parents=True, exist_ok=True)
+    assert fleet.reference is not None
+    proc, url = start_slo_proxy(fleet, log_dir)
+    try:
+        yield BenchFleet(fleet.prefill, fleet.decode, fleet.reference, url)
+    finally:
+        proc.terminate()
         try:
-            yield fleet
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 MARGIN = 0.25  # of each SLO: where the proxy's and the client's clocks may judge differently

@@ -3,9 +3,11 @@
 A 1P1D pair behind the proxy and a colocated ``kv_both`` instance, all three running
 SloScheduler, answer a mixed burst (long prompts with a loose TTFT objective sent first, short
 ones with a tight objective after them, per request through the proxy) token for token like a
-plain vLLM instance with the stock scheduler. Meanwhile the plugin did act: prefill reordered
-its queue by deadline, decode held its batch at the TPOT cap, both counted on /metrics, and the
-connector's invariants hold (no failed pull, every handoff freed, prefill's KV back to zero).
+plain vLLM instance with the stock scheduler (the session's plain instance: the same model and
+flags as this module's fleet had for its own, one vLLM start-up fewer). Meanwhile the plugin
+did act: prefill reordered its queue by deadline, decode held its batch at the TPOT cap, both
+counted on /metrics, and the connector's invariants hold (no failed pull, every handoff freed,
+prefill's KV back to zero).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def burst(base_url: str, bodies: list[dict[str, Any]]) -> list[tuple[str, Any]]:
 
 @pytest.fixture(scope="module")
 def fleets(model):
-    fleet = Fleet(model, LOG_DIR / "scheduler", reference=True,
+    fleet = Fleet(model, LOG_DIR / "scheduler",
                   prefill_args=SCHEDULER, decode_args=SCHEDULER,
                   prefill_extra={"lease_seconds": 8.0, "scheduler": PREFILL},
                   decode_extra={"scheduler": DECODE})
@@ -69,17 +71,18 @@ def fleets(model):
         with fleet:
             colocated.wait_ready(900)
             yield fleet, colocated
+            colocated.terminate()  # shuts down while the fleet does
     finally:
         colocated.stop()
 
 
 @pytest.mark.timeout(2400)
-def test_slo_scheduler_changes_order_never_results(fleets):
+def test_slo_scheduler_changes_order_never_results(fleets, plain):
     fleet, colocated = fleets
     p, d = fleet.prefill.base_url, fleet.decode.base_url
     bodies = workload()
-    plain = [{k: v for k, v in b.items() if k != "kv_transfer_params"} for b in bodies]
-    expected = burst(fleet.reference.base_url, plain)
+    stock = [{k: v for k, v in b.items() if k != "kv_transfer_params"} for b in bodies]
+    expected = burst(plain, stock)
     assert [k for k, _ in expected] == ["ok"] * BURST, expected
 
     assert burst(fleet.proxy_url, bodies) == expected
