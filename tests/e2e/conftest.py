@@ -124,17 +124,21 @@ def post_stream(url: str, body: dict[str, Any], timeout: float = 120) -> list[di
 
 
 def completion_tokens(base_url: str, body: dict[str, Any],
-                      timeout: float = 300) -> tuple[str, Any]:
+                      timeout: float = 300, text: bool = False) -> tuple[str, Any]:
     """One completion, streamed or not (``body["stream"]``), with ``return_token_ids``:
     ("ok", token ids), ("error", the server's message: an HTTP error or an error event),
-    ("cut", tokens so far: a stream that ended without [DONE]) or ("bare-error", status)."""
+    ("cut", tokens so far: a stream that ended without [DONE]) or ("bare-error", status).
+    ``text``: ("ok", (token ids, text)) for an answer."""
     req = urllib.request.Request(base_url + "/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     tokens: list[int] = []
+    texts: list[str] = []
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             if not body.get("stream"):
-                return "ok", json.loads(r.read())["choices"][0]["token_ids"]
+                choice = json.loads(r.read())["choices"][0]
+                return "ok", ((choice["token_ids"], choice["text"]) if text
+                              else choice["token_ids"])
             done = False
             for line in r:
                 line = line.strip()
@@ -146,7 +150,9 @@ def completion_tokens(base_url: str, body: dict[str, Any],
                         return "error", event["error"]
                     for choice in event.get("choices", ()):
                         tokens += choice.get("token_ids") or []
-            return ("ok", tokens) if done else ("cut", tokens)
+                        texts.append(choice.get("text") or "")
+            answer = (tokens, "".join(texts)) if text else tokens
+            return ("ok", answer) if done else ("cut", tokens)
     except urllib.error.HTTPError as e:
         message = json.loads(e.read() or b"{}").get("error")
         return ("error", message) if message else ("bare-error", e.code)

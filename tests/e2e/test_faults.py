@@ -108,31 +108,32 @@ def body(i: int, seed: int, *, stream: bool, max_tokens: int, n_prompt: int | No
             "return_token_ids": True, "stream": stream}
 
 
-def expected(fleet: Fleet, items: list[dict[str, Any]]) -> list[list[int]]:
+def expected(fleet: Fleet, items: list[dict[str, Any]], text: bool = False) -> list[Any]:
     """The plain answers: each prompt on a plain vLLM instance (the session's, no
     DisaggConnector; batched as a burst is: greedy answers do not depend on the batch)."""
-    def one(b: dict[str, Any]) -> list[int]:
+    def one(b: dict[str, Any]) -> Any:
         status, reply = post(fleet.plain + "/v1/completions", {**b, "stream": False},
                              timeout=CLIENT_TIMEOUT_S)
         assert status == 200, reply
-        return reply["choices"][0]["token_ids"]
+        choice = reply["choices"][0]
+        return (choice["token_ids"], choice["text"]) if text else choice["token_ids"]
 
     with ThreadPoolExecutor(len(items)) as pool:
         return list(pool.map(one, items))
 
 
-def send(fleet: Fleet, b: dict[str, Any]) -> tuple[str, Any]:
-    return completion_tokens(fleet.proxy_url, b, CLIENT_TIMEOUT_S)
+def send(fleet: Fleet, b: dict[str, Any], text: bool = False) -> tuple[str, Any]:
+    return completion_tokens(fleet.proxy_url, b, CLIENT_TIMEOUT_S, text=text)
 
 
-def start_burst(pool: ThreadPoolExecutor, fleet: Fleet, items: list[dict[str, Any]]
-                ) -> list[Future]:
-    return [pool.submit(send, fleet, b) for b in items]
+def start_burst(pool: ThreadPoolExecutor, fleet: Fleet, items: list[dict[str, Any]],
+                text: bool = False) -> list[Future]:
+    return [pool.submit(send, fleet, b, text) for b in items]
 
 
 def all_right(futures: list[Future], want: list[list[int]]) -> None:
     results = [f.result() for f in futures]
-    wrong = [(i, r[0], r[1] if r[0] != "ok" else f"{len(r[1])} tokens")
+    wrong = [(i, r[0], r[1] if r[0] != "ok" else "another answer")
              for i, (r, e) in enumerate(zip(results, want)) if r != ("ok", e)]
     assert not wrong, f"{len(wrong)}/{len(want)} not the plain answer: {wrong[:4]}"
 
@@ -307,22 +308,22 @@ def test_decode_killed_mid_stream(faults):
     decode 0 with the tokens delivered so far (``migrations_total{outcome="ok"}``); each
     non-streamed request is retried on decode 0 with a fresh handoff (the one decode 1 pulled
     is gone; ``instance_retries_total`` of decode 1): migrations plus retries are exactly X, no
-    other migration outcome. Every request completes token-identical to the plain answer (a
-    stream with no gap and no duplicate). Decode 1 had pulled all it held: no handoff
-    expires."""
+    other migration outcome. Every request completes token- and text-identical to the plain
+    answer (a stream with no gap and no duplicate; a break inside a character changes no
+    text). Decode 1 had pulled all it held: no handoff expires."""
     fleet = faults
     restart(fleet, fleet.decodes[0])
     d1 = fleet.decodes[1]
     # Long answers to short prompts: every request is still running when the last is
     # prefilled.
     items = [body(i, 700, stream=i % 4 != 3, max_tokens=1000, n_prompt=200) for i in range(8)]
-    want = expected(fleet, items)
+    want = expected(fleet, items, text=True)
     expired = metric(fleet.prefill.base_url, "vllm:kvdisagg_handoffs_expired_total")
     ok = proxy_metric(fleet, "migrations_total", outcome="ok")
     other = proxy_metric(fleet, "migrations_total") - ok
     retries = proxy_metric(fleet, "instance_retries_total", side="decode", instance=d1.base_url)
     with ThreadPoolExecutor(len(items)) as pool:
-        futures = start_burst(pool, fleet, items)
+        futures = start_burst(pool, fleet, items, text=True)
         wait_until("every request past prefill, decode 1 generating",
                    lambda: legs_on(fleet, "prefill") == 0
                    and legs_on(fleet, "decode") == len(items)

@@ -56,7 +56,7 @@ def proxy_metric(fleet, name: str, **labels: str) -> float:
 
 
 def expected_tokens(url: str, items: list[dict[str, Any]]) -> list[list[int]]:
-    """What a plain instance answers (decode computing the prompt itself)."""
+    """What a plain instance answers (the session's: no DisaggConnector)."""
     out = []
     for body in items:
         status, reply = post(url + "/v1/completions", {**body, "stream": False}, timeout=300)
@@ -66,7 +66,7 @@ def expected_tokens(url: str, items: list[dict[str, Any]]) -> list[list[int]]:
 
 
 @pytest.mark.timeout(900)
-def test_prefill_sigterm_serves_its_handoffs_then_exits(fleet):
+def test_prefill_sigterm_serves_its_handoffs_then_exits(fleet, plain):
     """Decode is paused while a burst is prefilled, so the prefills hold every handoff; prefill
     0 gets SIGTERM (its API server only, as Kubernetes sends it), then decode resumes. Every
     request succeeds, token-identical to a plain instance, every handoff is pulled (decode's
@@ -74,7 +74,7 @@ def test_prefill_sigterm_serves_its_handoffs_then_exits(fleet):
     go to prefill 1 only."""
     retiring, other = fleet.prefills
     items, later = bodies(0, BURST), bodies(100, 4)
-    expected = expected_tokens(fleet.decode.base_url, items + later)
+    expected = expected_tokens(plain, items + later)
     pulls0 = pulls(fleet)
     offered0 = [metric(p.base_url, "vllm:kvdisagg_handoffs_offered_total")
                 for p in fleet.prefills]
@@ -125,14 +125,14 @@ def test_prefill_sigterm_serves_its_handoffs_then_exits(fleet):
 
 
 @pytest.mark.timeout(900)
-def test_decode_sigterm_finishes_or_migrates_its_streams(fleet):
+def test_decode_sigterm_finishes_or_migrates_its_streams(fleet, plain):
     """Long greedy streams run on both decodes; decode 0 gets SIGTERM (its API server). Its
     streams run on for DECODE_SHUTDOWN_S, then vLLM kills its engine and the proxy migrates
     each stream left to decode 1. Every stream completes token-identical to a plain run; decode
     0 exits within DECODE_SHUTDOWN_S plus teardown; later requests all go to decode 1."""
     retiring, other = fleet.decodes
     items, later = bodies(200, BURST, max_tokens=500, stream=True), bodies(300, 4)
-    expected = expected_tokens(fleet.prefills[1].base_url, items + later)
+    expected = expected_tokens(plain, items + later)
     migrated0 = proxy_metric(fleet, "kvdisagg_proxy_migrations_total", outcome="ok")
     with ThreadPoolExecutor(BURST) as pool:
         futures = [pool.submit(completion_tokens, fleet.proxy_url, b, 300) for b in items]

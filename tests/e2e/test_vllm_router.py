@@ -70,9 +70,9 @@ def tokens(base_url: str, prompt: list[int], stream: bool) -> list[int]:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 @pytest.mark.parametrize("n_tokens", [1, 127, 129, 700, 1500])
-def test_vllm_router_in_front_is_token_identical(fleet, router, n_tokens, stream):
+def test_vllm_router_in_front_is_token_identical(fleet, router, plain, n_tokens, stream):
     prompt = prompt_ids(n_tokens, seed=7000 + n_tokens)
-    expected = tokens(fleet.prefill.base_url, prompt, stream=False)
+    expected = tokens(plain, prompt, stream=False)
     d = fleet.decode.base_url
     pulls = metric(d, "vllm:kvdisagg_pulls_total")
     recomputed = metric(d, "vllm:kvdisagg_recomputed_prompts_total")

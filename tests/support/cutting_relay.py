@@ -2,8 +2,10 @@
 
 The proxy sees a real broken connection, as when a decode dies, at an exact point: a request
 whose ``X-Request-Id`` starts with ``cut<k>-`` has its first response stream cut right after
-its ``k``-th server-sent event (k 0: after the headers, before any event); the same request's
-later legs (the migration's continuation) pass whole. Every response is marked
+its ``k``-th server-sent event (k 0: after the headers, before any event), one starting with
+``cutend-`` right after the event that carries its finish reason (the last token: vLLM may
+merge events under load, so a count could miss it); the same request's later legs (the
+migration's continuation) pass whole. Every response is marked
 ``Connection: close`` so that one connection carries one request (the proxy's pool then never
 reuses a connection whose request the relay has not seen).
 """
@@ -16,7 +18,9 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-_CUT = re.compile(rb"\r\nx-request-id:\s*cut(\d+)-([^\r\n]*)", re.IGNORECASE)
+_CUT = re.compile(rb"\r\nx-request-id:\s*cut(\d+|end)-([^\r\n]*)", re.IGNORECASE)
+_FINISH = b'"finish_reason":"'
+AT_FINISH = -1  # cut_after: after the event with a finish reason
 
 
 class CuttingRelay:
@@ -63,7 +67,8 @@ class CuttingRelay:
                 with self._lock:
                     if m.group(2) not in self._seen:
                         self._seen.add(m.group(2))
-                        cut_after = int(m.group(1))
+                        cut_after = (AT_FINISH if m.group(1).lower() == b"end"
+                                     else int(m.group(1)))
             upstream.sendall(head)
             threading.Thread(target=_pump, args=(client, upstream), daemon=True).start()
             self._answer(upstream, client, cut_after, m.group(0).decode() if m else "")
@@ -71,10 +76,11 @@ class CuttingRelay:
             pass
         finally:
             for s in (client, upstream):
-                try:
-                    s.close()
+                try:  # shutdown first: it wakes the pump thread blocked in recv on it
+                    s.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+                s.close()
 
     def _answer(self, upstream: socket.socket, client: socket.socket, cut_after: int | None,
                 rid: str) -> None:
@@ -95,22 +101,24 @@ class CuttingRelay:
             client.sendall(head + body)
             _pump(upstream, client)
             return
-        sent = head
-        events = 0
+        client.sendall(head)
+        events, finished = 0, False
         while True:
-            while events < cut_after and (i := body.find(b"\n\n")) >= 0:
+            while (events < cut_after or cut_after == AT_FINISH and not finished) and (
+                    i := body.find(b"\n\n")) >= 0:
                 events += 1
+                finished = _FINISH in body[:i]
                 # through the end of the chunk that carries this event's end
                 j = body.find(b"\r\n", i + 2)
                 j = j + 2 if j >= 0 else i + 2
-                sent, body = sent + body[:j], body[j:]
-            if events >= cut_after:
-                client.sendall(sent)
+                client.sendall(body[:j])
+                body = body[j:]
+            if (events >= cut_after >= 0) or finished:
                 self.cut.append(rid)
-                return  # both sockets close: the stream breaks here
+                return  # both sockets shut down: the stream breaks here
             data = upstream.recv(65536)
             if not data:
-                client.sendall(sent + body)
+                client.sendall(body)
                 return
             body += data
 
