@@ -6,10 +6,13 @@ operators and for the vLLM pods' ``preStop`` hooks (so their image needs no curl
     kvdisagg admin drain   --url URL [--timeout S] [--remove] [--missing-ok]
     kvdisagg admin undrain --url URL
     kvdisagg admin remove  --url URL [--missing-ok]
+            common: [--proxy URL] [--key-file FILE] [--timeout S] [--each-address]
 
 Every subcommand takes ``--proxy`` (the admin listener; ``$KVDISAGG_PROXY_ADMIN``, else
 ``http://127.0.0.1:8001``) and ``--key-file`` (else ``$KVDISAGG_ADMIN_KEY``, else no key). The
-key is never a flag: any local user can read a command line.
+key is never a flag: any local user can read a command line. ``--each-address`` makes the call
+at every address the ``--proxy`` host resolves to, at once: behind a headless Service, every
+proxy replica (each routes its own share of the requests, so a drain must reach them all).
 
 Every wait is bounded: ``drain`` sends ``--timeout`` as the drain's bound and waits for the
 answer ``ANSWER_GRACE_S`` longer; the other commands wait ``--timeout`` for theirs. The exit
@@ -25,11 +28,14 @@ from __future__ import annotations
 
 import argparse
 import enum
+import io
 import json
 import os
+import socket
 import sys
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import urlsplit
@@ -96,6 +102,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         c.add_argument("--key", "--admin-key", dest="key", help=argparse.SUPPRESS)  # refused
         c.add_argument("--timeout", type=float, default=timeout, metavar="S",
                        help=f"{timeout_help} (default {timeout:g})")
+        c.add_argument("--each-address", action="store_true",
+                       help="make the call at every address the --proxy host resolves to, at "
+                       "once (a headless Service: every proxy replica); each answer is printed "
+                       "after its address, and the exit status is the highest of theirs")
         return c
 
     c = command("list", "every instance: role, state, health, breaker, legs in flight",
@@ -248,9 +258,70 @@ def execute(args: argparse.Namespace, out: TextIO) -> Exit:
     return Exit.OK
 
 
+def resolve_addresses(host: str, port: int) -> list[str]:
+    """Every address ``host`` resolves to (A and AAAA records, with the resolver's search
+    domains), sorted; raises ``Unreachable`` when there is none. Tests replace this function."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise Unreachable(f"{host}: {exc.strerror}") from None
+    found = sorted({str(info[4][0]) for info in infos})
+    if not found:
+        raise Unreachable(f"{host}: no address")
+    return found
+
+
+def proxy_addresses(url: str) -> list[str]:
+    """``--each-address``: the admin listener at each address of ``url``'s host, as base URLs.
+    Only http: a certificate cannot be checked against an address (keep the admin API on the
+    cluster network, as its NetworkPolicy does)."""
+    base = proxy_base(url)
+    parts = urlsplit(base)
+    if parts.scheme != "http":
+        raise UsageError(f"--each-address: {url!r} is https; a certificate names a host, not "
+                         "each of its addresses: use http on the cluster network")
+    assert parts.hostname is not None  # proxy_base checked it
+    port = parts.port or 80
+    return [f"http://{f'[{a}]' if ':' in a else a}:{port}"
+            for a in resolve_addresses(parts.hostname, port)]
+
+
 def run(args: argparse.Namespace, out: TextIO | None = None,
         err: TextIO | None = None) -> int:
+    """One subcommand at ``--proxy``, or at each of its addresses (``--each-address``); prints
+    the outcome and returns the exit status."""
     out, err = out or sys.stdout, err or sys.stderr
+    if getattr(args, "each_address", False):
+        return _run_each(args, out, err)
+    return _run_one(args, out, err)
+
+
+def _run_each(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    prog = f"kvdisagg admin {args.admin_command}"
+    try:
+        bases = proxy_addresses(args.proxy)
+    except UsageError as exc:
+        print(f"{prog}: {exc}", file=err)
+        return Exit.USAGE
+    except Unreachable as exc:
+        print(f"{prog}: cannot reach the proxy's admin API: {exc}", file=err)
+        return Exit.UNREACHABLE
+    buffers = [(io.StringIO(), io.StringIO()) for _ in bases]
+    # At once, not in turn: a drain may wait its whole --timeout at each replica, and the hook
+    # calling it has one grace period for all of them.
+    with ThreadPoolExecutor(max_workers=len(bases)) as pool:
+        codes = list(pool.map(
+            lambda job: _run_one(argparse.Namespace(**{**vars(args), "proxy": job[0]}), *job[1]),
+            zip(bases, buffers, strict=True)))
+    for base, (o, e) in zip(bases, buffers, strict=True):
+        for line in o.getvalue().splitlines():
+            print(f"{base}: {line}", file=out)
+        for line in e.getvalue().splitlines():
+            print(f"{base}: {line}", file=err)
+    return max(codes)
+
+
+def _run_one(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     prog = f"kvdisagg admin {args.admin_command}"
     try:
         return int(execute(args, out))

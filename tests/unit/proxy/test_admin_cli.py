@@ -257,3 +257,71 @@ def test_admin_is_a_kvdisagg_command() -> None:
     from kvdisagg.proxy.config import ADMIN_KEY_ENV
     assert COMMANDS["admin"].module == "kvdisagg.proxy.admin_cli"
     assert admin_cli.KEY_ENV == ADMIN_KEY_ENV  # the client and the proxy read one variable
+
+
+def test_each_address_drains_at_every_proxy_replica(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--each-address``: one name (a headless Service) resolving to two proxies on one port
+    (127.0.0.1 and 127.0.0.2) and to a third address where nothing listens: the drain reaches
+    both proxies at once, each answer is printed after its address, and the unreachable one
+    sets the exit status."""
+    from kvdisagg.proxy import admin_cli
+
+    async def t() -> None:
+        async with fleet(tmp_path) as f:
+            second = make_app(config=ProxyConfig(
+                instances=[InstanceSpec(url=f.urls["d0"], role=Role.DECODE)],
+                admin=AdminConfig(key_file=str(f.key_file)),
+                health=HealthConfig(interval_s=0.2, timeout_s=0.5, startup_timeout_s=2.0)))
+            client = TestClient(TestServer(second, host="127.0.0.1"))
+            await client.start_server()
+            port = int(f.admin_url.rsplit(":", 1)[1])
+            admin2 = TestServer(second[ADMIN], host="127.0.0.2", port=port)
+            await admin2.start_server()
+            resolved: list[tuple[str, int]] = []
+
+            def resolve(host: str, p: int) -> list[str]:
+                resolved.append((host, p))
+                return ["127.0.0.1", "127.0.0.2"]
+            monkeypatch.setattr(admin_cli, "resolve_addresses", resolve)
+            try:
+                f.admin_url = f"http://kvdisagg-proxy-admin:{port}"
+                d0 = f.urls["d0"]
+                code, out, err = await f.admin("drain", "--url", d0, "--timeout", "5",
+                                               "--each-address")
+                assert code == Exit.OK, err
+                assert resolved == [("kvdisagg-proxy-admin", port)]
+                for ip in ("127.0.0.1", "127.0.0.2"):
+                    assert f"http://{ip}:{port}: drained {d0}: idle" in out
+                assert f.registry.get(d0).state is State.DRAINING
+                assert second[REGISTRY].get(d0).state is State.DRAINING
+                # a replica that does not answer: the others are still drained, exit 3
+                code, out, _ = await f.admin("undrain", "--url", d0, "--each-address")
+                assert code == Exit.OK and out.count("active") == 2
+                monkeypatch.setattr(admin_cli, "resolve_addresses",
+                                    lambda h, p: ["127.0.0.1", "127.0.0.2", "127.0.0.3"])
+                code, out, err = await f.admin("drain", "--url", d0, "--timeout", "5",
+                                               "--each-address")
+                assert code == Exit.UNREACHABLE
+                assert out.count("idle") == 2 and f"http://127.0.0.3:{port}: " in err
+                assert second[REGISTRY].get(d0).state is State.DRAINING
+                # no address at all; https refused (a certificate names a host)
+                def nothing(h: str, p: int) -> list[str]:
+                    raise admin_cli.Unreachable(f"{h}: Name or service not known")
+                monkeypatch.setattr(admin_cli, "resolve_addresses", nothing)
+                code, _, err = await f.admin("list", "--each-address")
+                assert code == Exit.UNREACHABLE and "Name or service not known" in err
+                f.admin_url = f"https://kvdisagg-proxy-admin:{port}"
+                code, _, err = await f.admin("list", "--each-address")
+                assert code == Exit.USAGE and "--each-address" in err
+            finally:
+                await admin2.close()
+                await client.close()
+    asyncio.run(t())
+
+
+def test_resolve_addresses_is_getaddrinfo() -> None:
+    from kvdisagg.proxy import admin_cli
+    assert admin_cli.resolve_addresses("127.0.0.1", 8001) == ["127.0.0.1"]
+    with pytest.raises(admin_cli.Unreachable, match="no-such-host.invalid"):
+        admin_cli.resolve_addresses("no-such-host.invalid", 8001)
