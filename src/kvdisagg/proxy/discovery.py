@@ -362,7 +362,7 @@ class KubernetesSource:
             why = body[:200].decode(errors="replace")
         hint = {401: " (the service account token was refused)",
                 403: (" (the proxy's service account may not get/list/watch pods here: bind "
-                      "it to a Role that allows them, examples/kubernetes/rbac.yaml)")}
+                      "it to a Role that allows them, examples/kubernetes/base/rbac.yaml)")}
         return DiscoveryError(f"{url}: HTTP {status}{hint.get(status, '')}: {why}")
 
     async def _list(self, session: Any) -> None:
