@@ -8,6 +8,17 @@ if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
   SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libibverbs1
 fi
+# promtool, for the alert rules' tests (tests/unit/test_monitoring.py): Debian ships it in the
+# prometheus package. Only the tool is wanted: where the package started its server (systemd),
+# stop and disable it.
+if ! command -v promtool >/dev/null 2>&1; then
+  SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+  $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+    --no-install-recommends prometheus
+  if command -v systemctl >/dev/null 2>&1; then
+    $SUDO systemctl disable --now prometheus >/dev/null 2>&1 || true
+  fi
+fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 PIP=".venv/bin/pip --disable-pip-version-check -q"
 if command -v nvidia-smi >/dev/null 2>&1; then

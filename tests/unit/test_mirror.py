@@ -15,6 +15,8 @@ NOT_ONE_MODULE = {
     "test_layering.py": "the package's import graph",
     "test_lint.py": "ruff and mypy over src/ and tests/",
     "test_examples.py": "examples/ (manifests, scripts, configs)",
+    "test_monitoring.py": "examples/kubernetes/monitoring/ (alert rules, their promtool tests, "
+                          "the dashboard)",
     "bench/test_layering.py": "bench/ and the profile command run without vLLM",
     "proxy/test_discovery_kubernetes.py": "discovery.py's Kubernetes source, apart for its size",
     "transport/test_conformance.py": "every transport against one contract (slow: processes)",
