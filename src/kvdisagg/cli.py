@@ -3,14 +3,33 @@
 A command module exposes ``add_arguments(parser)`` and ``run(args) -> int``; its one-line help
 lives here, so ``kvdisagg --help`` imports no command and ``kvdisagg CMD`` imports only CMD's
 module (which keeps its heavy imports inside ``run``).
+
+Every failure ends as one line on stderr, ``kvdisagg CMD: what went wrong``, and a non-zero exit
+(``EXIT``), never a traceback: a ``KvDisaggError`` (its message names the fix), an ``OSError``
+(a file, a socket), Ctrl-C, or a command's own ``SystemExit("kvdisagg CMD: ...")``. Anything
+else is a bug: one line saying so, and the traceback with ``kvdisagg --debug CMD`` (or
+``KVDISAGG_DEBUG=1``), which also shows the traceback of an expected error.
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
 import importlib
+import os
 import sys
 from typing import NamedTuple
+
+DEBUG_ENV = "KVDISAGG_DEBUG"
+"""Set (to anything but ``""`` or ``0``): a traceback for every failure, as ``--debug``."""
+
+
+class Exit(enum.IntEnum):
+    """The exit statuses of a failure (a command's own statuses are in its docs)."""
+
+    FAILED = 1  # an error while running (an unreachable endpoint, a failed check)
+    USAGE = 2  # bad arguments or config (argparse's own status for a bad flag)
+    INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
 
 
 class Command(NamedTuple):
@@ -46,6 +65,10 @@ COMMANDS: dict[str, Command] = {
     "doctor": Command(
         "kvdisagg.doctor",
         "preflight checks: vLLM and the plugin, connector config, transport, side channel, fleet"),
+    "gpu-check": Command(
+        "kvdisagg.gpu_check",
+        "check the CUDA data paths of a pull (tcp staging, nccl gather/scatter and sync) on "
+        "one GPU"),
 }
 
 
@@ -53,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="kvdisagg",
                                      description="Prefill/decode disaggregated serving for vLLM.")
+    parser.add_argument("--debug", action="store_true",
+                        help=f"show the traceback of a failure (also {DEBUG_ENV}=1)")
     sub = parser.add_subparsers(dest="command", required=True)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, command in COMMANDS.items():
@@ -60,7 +85,37 @@ def main(argv: list[str] | None = None) -> int:
         if name == chosen:
             importlib.import_module(command.module).add_arguments(p)
     args = parser.parse_args(argv)
-    return importlib.import_module(COMMANDS[args.command].module).run(args) or 0
+    debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    try:
+        return importlib.import_module(COMMANDS[args.command].module).run(args) or 0
+    except Exception as exc:
+        if debug:
+            raise
+        return _failed(args.command, exc)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"kvdisagg {args.command}: interrupted", file=sys.stderr)
+        return Exit.INTERRUPTED
+
+
+def _failed(command: str, exc: Exception) -> int:
+    """One line on stderr for a failure of ``command``, and its exit status."""
+    from kvdisagg.errors import ConfigError, KvDisaggError
+
+    if isinstance(exc, BrokenPipeError):  # the reader went away (``kvdisagg plan | head``)
+        # Nothing left to say there: point stdout at /dev/null so the flush at exit is quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return Exit.FAILED
+    if isinstance(exc, KvDisaggError | OSError):
+        message = str(exc) or type(exc).__name__
+        status = Exit.USAGE if isinstance(exc, ConfigError) else Exit.FAILED
+    else:
+        message = (f"unexpected error, a bug ({type(exc).__name__}: {exc}); "
+                   f"`kvdisagg --debug {command} ...` shows its traceback")
+        status = Exit.FAILED
+    print(f"kvdisagg {command}: {message}", file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

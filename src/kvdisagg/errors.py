@@ -9,6 +9,7 @@
     │   ├── TransferTimeout     a transfer did not finish within the timeout
     │   └── TransferFailed      the peer refused the read, or the stream broke
     │       └── ChecksumMismatch  the KV that landed differs from what the peer sent
+    ├── EndpointError           an endpoint kvdisagg bench or profile measures answered an error
     └── ProxyError
         ├── BodyError           a client request body the proxy cannot read (400)
         ├── DiscoveryError      a discovery source could not be read (its last answer stands)
@@ -54,6 +55,12 @@ class TransferFailed(TransportError):
 class ChecksumMismatch(TransferFailed):
     """The bytes decode received are not the bytes prefill sent (or the store holds): the load
     fails, never an answer computed from them. The message names the handoff and the peer."""
+
+
+class EndpointError(KvDisaggError):
+    """An OpenAI-compatible endpoint that ``kvdisagg bench`` or ``profile`` measures refused or
+    failed a request it must answer (a warm-up); the message names the endpoint and its
+    answer."""
 
 
 class ProxyError(KvDisaggError):

@@ -44,3 +44,102 @@ def test_unknown_command_is_a_usage_error(capsys):
         main(["no-such-command"])
     assert exc.value.code == 2
     assert "invalid choice: 'no-such-command'" in capsys.readouterr().err
+
+
+# A command of this module's own (registered by the tests below): it fails as --fail says.
+FAILURES = {
+    "config": lambda: _raise_config(),
+    "transport": lambda: _raise_transport(),
+    "os": lambda: open("/nonexistent/kvdisagg/file"),
+    "bug": lambda: {}["no-such-key"],
+    "interrupt": lambda: _raise(KeyboardInterrupt()),
+    "exit": lambda: _raise(SystemExit("kvdisagg boom: a message of its own")),
+}
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
+
+
+def _raise_config() -> None:
+    from kvdisagg.errors import ConfigError
+
+    raise ConfigError("--gpus must be >= 1, got 0")
+
+
+def _raise_transport() -> None:
+    from kvdisagg.errors import PeerUnreachable
+
+    raise PeerUnreachable("cannot connect to 10.1.2.3:5600 within 30s")
+
+
+def add_arguments(p):
+    p.add_argument("--fail", choices=sorted(FAILURES), required=True)
+
+
+def run(args):
+    FAILURES[args.fail]()
+    return 0
+
+
+@pytest.fixture
+def boom(monkeypatch):
+    from kvdisagg.cli import Command
+
+    monkeypatch.setitem(COMMANDS, "boom", Command(__name__, "fails on purpose"))
+    monkeypatch.delenv("KVDISAGG_DEBUG", raising=False)
+
+
+@pytest.mark.parametrize("kind,status,line", [
+    ("config", 2, "kvdisagg boom: --gpus must be >= 1, got 0"),
+    ("transport", 1, "kvdisagg boom: cannot connect to 10.1.2.3:5600 within 30s"),
+    ("os", 1, "kvdisagg boom: [Errno 2] No such file or directory: '/nonexistent/kvdisagg/file'"),
+    ("bug", 1, "kvdisagg boom: unexpected error, a bug (KeyError: 'no-such-key'); "
+               "`kvdisagg --debug boom ...` shows its traceback"),
+    ("interrupt", 130, "kvdisagg boom: interrupted"),
+])
+def test_every_failure_is_one_line_and_a_nonzero_exit(boom, capsys, kind, status, line):
+    assert main(["boom", "--fail", kind]) == status
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [line] and captured.out == ""
+
+
+def test_a_commands_own_exit_message_stands(boom):
+    with pytest.raises(SystemExit, match="kvdisagg boom: a message of its own"):
+        main(["boom", "--fail", "exit"])
+
+
+def test_debug_flag_or_environment_shows_the_traceback(boom, monkeypatch):
+    with pytest.raises(KeyError):
+        main(["--debug", "boom", "--fail", "bug"])
+    from kvdisagg.errors import ConfigError
+
+    monkeypatch.setenv("KVDISAGG_DEBUG", "1")
+    with pytest.raises(ConfigError):
+        main(["boom", "--fail", "config"])
+    monkeypatch.setenv("KVDISAGG_DEBUG", "0")
+    assert main(["boom", "--fail", "config"]) == 2
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "--profile", "/nonexistent.json", "--ttft-slo", "1", "--tpot-slo", "1", "--gpus",
+     "2"],
+    ["bench", "--url", "http://127.0.0.1:1", "--rate", "1", "--connect-timeout", "1"],
+    ["bench", "--url", "http://127.0.0.1:1", "--rate", "1", "--model", "m", "--out",
+     "/proc/kvdisagg-bench"],
+    ["proxy", "--config", "/nonexistent.yaml"],
+    ["admin", "list", "--proxy", "http://127.0.0.1:1", "--timeout", "1"],
+])
+def test_real_failures_print_no_traceback(argv):
+    res = subprocess.run([sys.executable, "-m", "kvdisagg.cli", *argv], capture_output=True,
+                         text=True, timeout=120, env=_no_debug_env())
+    assert res.returncode != 0
+    assert "Traceback" not in res.stderr, res.stderr
+    first = res.stderr.strip().splitlines()[0]
+    assert first.startswith(f"kvdisagg {argv[0]}"), res.stderr
+
+
+def _no_debug_env():
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "KVDISAGG_DEBUG"}

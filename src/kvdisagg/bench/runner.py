@@ -21,6 +21,7 @@ from kvdisagg.bench.client import ClientConfig, send
 from kvdisagg.bench.records import ProxyView, RequestRecord, RunSummary, Slo
 from kvdisagg.bench.stats import judge, met_per_event, summarize, window_goodput
 from kvdisagg.bench.workload import RequestSpec
+from kvdisagg.errors import EndpointError
 
 
 class Endpoint(NamedTuple):
@@ -46,7 +47,7 @@ async def _warmup(session: aiohttp.ClientSession, ep: Endpoint, specs: Sequence[
                             output_len=spec.output_len)
         await send(session, ep.url, spec, cfg, rec, time.perf_counter())
         if not rec.ok:
-            raise RuntimeError(f"warm-up request to {ep.name} ({ep.url}) failed: {rec.error}")
+            raise EndpointError(f"warm-up request to {ep.name} ({ep.url}) failed: {rec.error}")
 
 
 def proxy_view(before: scrape.ProxySnapshot | None, after: scrape.ProxySnapshot | None,
