@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -47,6 +50,9 @@ class FakeVllm:
         self.kv_load_failures = 0  # the next N decode legs with KV fail as vLLM does (policy fail)
         self.recomputed: dict[str, int] = {}  # vllm:kvdisagg_recomputed_prompts_total by reason
         self.max_model_len: int | None = None  # listed by /v1/models when set
+        # /detokenize as vLLM answers it, when set: "" for an id the tokenizer does not know
+        # (>= vocab_size), text for the others; unset, the route echoes like any other
+        self.vocab_size: int | None = None
         self.seen: list[dict[str, Any]] = []
         self.aborted = 0  # requests whose client (the proxy) went away before the end
         self._ids = itertools.count()
@@ -220,6 +226,16 @@ class FakeVllm:
             card["max_model_len"] = self.max_model_len
         return web.json_response({"object": "list", "data": [card]})
 
+    async def detokenize(self, request: web.Request) -> web.Response:
+        if self.vocab_size is None:
+            return await self.other(request)
+        body = await request.json()
+        if self.record:
+            self.seen.append({"name": self.name, "raw": b"", "path": request.path_qs,
+                              "headers": request.headers.copy(), "body": body})
+        known = [t for t in body.get("tokens") or [] if 0 <= t < self.vocab_size]
+        return web.json_response({"prompt": "".join(f"<{t}>" for t in known)})
+
     async def other(self, request: web.Request) -> web.Response:
         """Any other vLLM route: echoes what it got (a control route must never be reached)."""
         raw = await request.read()
@@ -231,15 +247,45 @@ class FakeVllm:
 
     def app(self) -> web.Application:
         app = web.Application()
-        for method, path in (("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/pause"),
+        for method, path in (("POST", "/tokenize"), ("POST", "/pause"),
                              ("POST", "/v1/responses")):
             app.router.add_route(method, path, self.other)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_post("/v1/completions", self.generate)
         app.router.add_post("/v1/chat/completions", self.generate)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/v1/models", self.models)
         return app
+
+
+@contextlib.contextmanager
+def served_in_thread(fake: FakeVllm) -> Iterator[str]:
+    """``fake`` on loopback, answered from a thread and event loop of its own, for code under
+    test that blocks or runs its own loop (``asyncio.run``); yields the base URL."""
+    from aiohttp.test_utils import TestServer
+
+    loop = asyncio.new_event_loop()
+    server = TestServer(fake.app(), host="127.0.0.1")
+    started = threading.Event()
+
+    def serve() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(server.start_server())
+        started.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    if not started.wait(10):
+        raise RuntimeError("the fake vLLM server did not start")
+    try:
+        yield str(server.make_url("")).rstrip("/")
+    finally:
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
 
 
 def _prompt_tokens(body: dict[str, Any]) -> int:
@@ -269,11 +315,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--name", default="fake")
     p.add_argument("--token-delay-ms", type=float, default=0.0,
                    help="pause before each streamed event (paced like a real engine)")
+    p.add_argument("--vocab-size", type=int,
+                   help="answer /detokenize as vLLM does for a vocabulary of this many ids")
     args = p.parse_args(argv)
     import uvloop
 
     fake = FakeVllm(args.name, args.tokens, record=False)
     fake.token_delay_s = args.token_delay_ms / 1000
+    fake.vocab_size = args.vocab_size
     uvloop.install()
     web.run_app(fake.app(), host=args.host, port=args.port, access_log=None, print=None,
                 backlog=2048)

@@ -3,18 +3,26 @@
 Each ``--url`` is measured with the same requests at each rate (endpoints interleaved rate by
 rate, so machine noise hits all of them alike), and the run writes ``records.jsonl`` (one line
 per request), ``summary.json`` (``BenchResult``) and two PNG plots into ``--out``.
+
+Before any load, each endpoint is asked its model, ``max_model_len`` and vocabulary
+(``endpoint.py``): token-id prompts stay inside the vocabulary, and a workload that cannot fit
+is refused in one line. The API key comes from ``--api-key-file`` or ``KVDISAGG_API_KEY``,
+never the command line (``keys.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import math
 import sys
-import urllib.request
 from pathlib import Path
 from typing import Any
+
+from kvdisagg.errors import ConfigError, EndpointError
+from kvdisagg.keys import API_KEY_ENV, key_from, refused_on_command_line
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,7 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "divides by it")
     g.add_argument("--model", help="model name to send (default: the endpoint's first model)")
     g.add_argument("--api", choices=["completions", "chat"], default="completions")
-    g.add_argument("--api-key")
+    g.add_argument("--api-key-file", metavar="FILE",
+                   help="file holding the key sent as Authorization: Bearer KEY (else "
+                        "$KVDISAGG_API_KEY; else none)")
+    g.add_argument("--api-key", help=argparse.SUPPRESS)  # refused: argv is public
     g.add_argument("--extra-body", metavar="JSON", default="{}",
                    help='fields added to every request, e.g. \'{"return_token_ids": true}\' '
                         "(vLLM: exact token counts)")
@@ -59,8 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=".csv (prompt_len,output_len) or .jsonl rows, drawn with replacement")
     r.add_argument("--trace", metavar="FILE",
                    help="replay a dataset file with a timestamp column (--rate rescales it)")
-    r.add_argument("--token-id-range", default="10:500", metavar="LO:HI",
-                   help="prompts are random token ids in [LO, HI)")
+    r.add_argument("--token-id-range", metavar="LO:HI",
+                   help=f"prompts are random token ids in [LO, HI) (default: "
+                        f"{DEFAULT_TOKEN_IDS}, ending where the endpoints' vocabulary ends); a "
+                        "range past it is refused")
     r.add_argument("--text-prompts", action="store_true",
                    help="send text of ~prompt_len words instead of token ids")
     r.add_argument("--seed", type=int, default=0)
@@ -82,6 +95,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--no-plots", action="store_true")
     o.add_argument("--quiet", action="store_true", help="no progress bars")
     o.add_argument("--json", action="store_true", help="print the summary JSON to stdout")
+
+
+DEFAULT_TOKEN_IDS = "10:500"
+"""Past the special ids of common tokenizers; narrowed to a smaller vocabulary (the demo's tiny
+model knows 512 ids, 0-3 special)."""
 
 
 def _fail(msg: str) -> SystemExit:
@@ -110,15 +128,6 @@ def _endpoints(args: argparse.Namespace):  # -> list[Endpoint]
     return eps
 
 
-def _first_model(url: str, timeout_s: float) -> str:
-    try:
-        with urllib.request.urlopen(url + "/v1/models", timeout=timeout_s) as r:
-            data = json.loads(r.read(1 << 20))
-        return str(data["data"][0]["id"])
-    except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
-        raise _fail(f"cannot list models at {url}/v1/models ({exc}); pass --model") from None
-
-
 def _range(spec: str, flag: str) -> tuple[float, float]:
     try:
         lo, hi = (float(x) for x in spec.split(":"))
@@ -136,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
     options = _Options(args)
     # stderr: stdout stays clean for --json; wide when logged, so the tables stay readable
     console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+    for note in options.notes:
+        console.print(note, markup=False, highlight=False)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with _Session(args, options, console, out / "records.jsonl") as session:
@@ -174,8 +185,7 @@ class _Options:
                 min(d.output_len, args.max_output_len or d.output_len),
                 d.prompt, d.timestamp) for d in dataset]
         self.dataset = dataset
-        lo, hi = _range(args.token_id_range, "--token-id-range")
-        self.token_ids = None if args.text_prompts or args.api == "chat" else (int(lo), int(hi))
+        lo, hi = _range(args.token_id_range or DEFAULT_TOKEN_IDS, "--token-id-range")
         self.slo = Slo(ttft_s=args.ttft_slo, tpot_s=args.tpot_slo)
         try:
             self.extra_body = json.loads(args.extra_body)
@@ -186,8 +196,71 @@ class _Options:
         self.phase_urls = [u.rstrip("/") for u in args.phases_from]
         if bad := [u for u in self.phase_urls if not u.startswith(("http://", "https://"))]:
             raise _fail(f"--phases-from {bad[0]!r}: the URL must start with http:// or https://")
-        self.models = {e.name: args.model or _first_model(e.url, args.connect_timeout)
-                       for e in self.endpoints}
+        if args.api_key is not None:
+            raise _fail(str(refused_on_command_line("--api-key", "--api-key-file",
+                                                    API_KEY_ENV)))
+        try:
+            self.api_key = key_from(args.api_key_file, API_KEY_ENV, "--api-key-file")
+        except ConfigError as exc:
+            raise _fail(str(exc)) from None
+        self.notes: list[str] = []
+        """Lines to print before the load: what was learnt from the endpoints."""
+        self.models = self._models(args)
+        text = args.text_prompts or args.api == "chat"
+        self.token_ids = None if text else self._token_ids(args, int(lo), int(hi))
+
+    def _models(self, args: argparse.Namespace) -> dict[str, str]:
+        """Each endpoint's model (``--model``, else its first), checked against its
+        ``max_model_len`` where the workload's longest request is known."""
+        from kvdisagg.bench.endpoint import model_card
+
+        models, longest = {}, self._longest_request()
+        for e in self.endpoints:
+            try:
+                card = model_card(e.url, self.api_key, args.connect_timeout)
+            except EndpointError as exc:
+                if not args.model:
+                    raise _fail(f"{exc}; pass --model") from None
+                card = None  # the request will say; --model needs no listing
+            models[e.name] = args.model or (card.id if card else "")
+            if card and card.max_model_len and longest and longest[0] + longest[1] > (
+                    card.max_model_len):
+                raise _fail(
+                    f"requests of up to {longest[0]} prompt + {longest[1]} output tokens do not "
+                    f"fit {e.name}'s max_model_len {card.max_model_len} ({e.url}/v1/models): "
+                    "lower --prompt-len/--output-len or set --max-prompt-len/--max-output-len")
+        return models
+
+    def _longest_request(self) -> tuple[int, int] | None:
+        """(prompt, output) tokens of the longest request the workload can draw, if bounded."""
+        if self.dataset:
+            longest = max(self.dataset, key=lambda d: d.prompt_len + d.output_len)
+            return longest.prompt_len, longest.output_len
+        prompt, output = self.prompt_len.upper(), self.output_len.upper()
+        return (prompt, output) if prompt and output else None
+
+    def _token_ids(self, args: argparse.Namespace, lo: int, hi: int) -> tuple[int, int]:
+        """``[lo, hi)`` for token-id prompts, inside every endpoint's vocabulary: the default
+        range ends where the smallest vocabulary does; a range given past it is refused."""
+        from kvdisagg.bench.endpoint import vocabulary_end
+
+        for e in self.endpoints:
+            model = self.models[e.name]
+            end = vocabulary_end(e.url, model, lo, hi, self.api_key, args.connect_timeout)
+            if end is None:
+                continue
+            if end <= lo:
+                raise _fail(f"{e.name}'s model {model} knows no token id from {lo} on (its "
+                            f"/detokenize; the vocabulary ends at {end}): give --token-id-range "
+                            f"0:{end} or --text-prompts")
+            if args.token_id_range:
+                raise _fail(f"--token-id-range {args.token_id_range} goes past the vocabulary "
+                            f"of {e.name}'s model {model} (token ids below {end}, by its "
+                            f"/detokenize): use --token-id-range {lo}:{end} or --text-prompts")
+            self.notes.append(f"token ids {lo}:{end}: the vocabulary of {e.name}'s model "
+                              f"{model} ends at {end} (its /detokenize)")
+            hi = end
+        return lo, hi
 
 
 class _Session:
@@ -237,7 +310,7 @@ class _Session:
             token_ids=o.token_ids)[:args.warmup]
         self._warmed.add(ep.name)
         cfg = ClientConfig(model=o.models[ep.name], api=args.api, connect_s=args.connect_timeout,
-                           idle_s=args.idle_timeout, total_s=args.timeout, api_key=args.api_key,
+                           idle_s=args.idle_timeout, total_s=args.timeout, api_key=o.api_key,
                            extra_body=o.extra_body)
         label = f"{ep.name}@{ep_rate:g}" if ep_rate is not None else f"{ep.name}@trace"
         with report.RunProgress(self.console, label, len(specs),
@@ -312,7 +385,10 @@ def _report(args: argparse.Namespace, options: _Options, console: Any, out: Path
         console.print(report.phases_table(runs))
     if sweeps:
         console.print(report.sweeps_table(sweeps))
-    if not args.no_plots:
+    if not args.no_plots and importlib.util.find_spec("matplotlib") is None:
+        console.print("plots skipped: matplotlib is not installed (pip install "
+                      "'kvdisagg\\[bench]'; --no-plots asks for none)")  # \\[: not rich markup
+    elif not args.no_plots:
         paths = [plots.latency_cdfs(session.records, slo, out / "latency_cdf.png")]
         if any(r.rate is not None for r in runs):
             paths.append(plots.attainment_vs_rate(runs, args.attainment,

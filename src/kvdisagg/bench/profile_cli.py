@@ -41,10 +41,10 @@ def run(args: argparse.Namespace) -> int:
     import msgspec
     from rich.console import Console
 
-    from kvdisagg.bench.cli import _first_model
     from kvdisagg.bench.client import ClientConfig
+    from kvdisagg.bench.endpoint import model_card, vocabulary_end
     from kvdisagg.bench.profiler import Grid, MeasureError, Profiler, kv_bytes_per_token
-    from kvdisagg.errors import ConfigError
+    from kvdisagg.errors import ConfigError, EndpointError
     from kvdisagg.planner.profile import fit_profile, save_profile
 
     for flag, vals in (("--prefill-batch", args.prefill_batch), ("--prefill-len",
@@ -60,14 +60,24 @@ def run(args: argparse.Namespace) -> int:
     if not url.startswith(("http://", "https://")):
         raise SystemExit(f"kvdisagg profile: --url {url!r} must start with http://")
     console = Console(stderr=True)
-    model = args.model or _first_model(url, 10.0)
+    try:
+        model = args.model or model_card(url, None, 10.0).id
+    except EndpointError as exc:
+        raise SystemExit(f"kvdisagg profile: {exc}; pass --model") from None
     grid = Grid(args.prefill_batch, args.prefill_len, args.decode_batch, args.decode_ctx,
                 args.decode_tokens, args.repeats, args.max_batch_tokens)
     if len(grid.prefill_points()) < 3 or len(grid.decode_points()) < 3:
         raise SystemExit("kvdisagg profile: the grid needs >= 3 prefill points (within "
                          "--max-batch-tokens) and >= 3 decode points to fit 3 coefficients")
+    lo, hi = 10, 500  # prompts of random token ids, as bench's (kept inside the vocabulary)
+    if (end := vocabulary_end(url, model, lo, hi, None, 10.0)) is not None:
+        if end <= lo:
+            raise SystemExit(f"kvdisagg profile: {model} knows no token id from {lo} on (its "
+                             f"/detokenize: the vocabulary ends at {end})")
+        console.print(f"token ids {lo}:{end}: the vocabulary of {model} ends at {end}")
+        hi = end
     prof = Profiler(url, ClientConfig(model=model, total_s=args.timeout, idle_s=args.timeout),
-                    tp=args.tp, pp=args.pp, seed=args.seed)
+                    tp=args.tp, pp=args.pp, seed=args.seed, token_ids=(lo, hi))
     kv = args.kv_bytes_per_token
     if kv is None:
         kv = kv_bytes_per_token(args.model_dir) if args.model_dir else 0

@@ -65,6 +65,17 @@ class LengthDist:
             raise ValueError(f"length spec {spec!r}: HI must be >= LO")
         self.kind, self.args = kind, vals
 
+    def upper(self) -> int | None:
+        """The longest length this draws, where bounded (``fixed``, ``uniform``, or any kind
+        with ``max_len``); None for an unbounded tail."""
+        if self.kind == "fixed":
+            bound = max(1, int(round(self.args[0])))
+        elif self.kind == "uniform":
+            bound = max(1, int(self.args[1]))
+        else:
+            return self.max_len
+        return min(bound, self.max_len) if self.max_len else bound
+
     def sample(self, rng: random.Random) -> int:
         a = self.args
         if self.kind == "fixed":

@@ -35,7 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tpot", type=float, metavar="S", help="TPOT SLO, seconds")
     p.add_argument("--admission", choices=["queue", "shed", "colocate"],
                    help="slo_aware: what to do when no instance meets the SLO")
-    p.add_argument("--api-key", help="replace the client's Authorization on upstream legs")
+    p.add_argument("--api-key-file", metavar="FILE",
+                   help="file holding the key sent to vLLM as Authorization: Bearer KEY on "
+                   "upstream legs, replacing the client's (or set KVDISAGG_API_KEY)")
+    p.add_argument("--api-key", help=argparse.SUPPRESS)  # refused: argv is public
     p.add_argument("--admin-port", type=int, metavar="PORT",
                    help="serve the admin API on its own listener (default: no admin API)")
     p.add_argument("--admin-host", metavar="ADDR",
@@ -76,6 +79,7 @@ def config_from_args(args: argparse.Namespace):  # -> ProxyConfig
     import msgspec
 
     from kvdisagg.errors import ConfigError
+    from kvdisagg.keys import API_KEY_ENV, refused_on_command_line
     from kvdisagg.proxy.app import build_config
     from kvdisagg.proxy.config import ProxyConfig, instances_from_urls, load_config_file
 
@@ -84,7 +88,10 @@ def config_from_args(args: argparse.Namespace):  # -> ProxyConfig
     if args.admin_key is not None:
         raise ConfigError("--admin-key is not accepted: any local user can read a command line. "
                           "Put the key in a file (--admin-key-file) or in KVDISAGG_ADMIN_KEY")
-    top = {k: v for k, v in (("host", args.host), ("port", args.port), ("api_key", args.api_key),
+    if args.api_key is not None:
+        raise refused_on_command_line("--api-key", "--api-key-file", API_KEY_ENV)
+    top = {k: v for k, v in (("host", args.host), ("port", args.port),
+                             ("api_key_file", args.api_key_file),
                              ("otlp_traces_endpoint", args.otlp_traces_endpoint))
            if v is not None}
     cfg = rep(cfg, **top)

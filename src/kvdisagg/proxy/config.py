@@ -22,6 +22,7 @@ import msgspec
 import yaml
 
 from kvdisagg.errors import ConfigError
+from kvdisagg.keys import API_KEY_ENV, read_key_file
 from kvdisagg.proxy.cache_index import CacheIndexConfig
 from kvdisagg.proxy.targets import parse_hostport, parse_target
 from kvdisagg.proxy.types import Admission, PolicyName, Role
@@ -282,7 +283,13 @@ class ProxyConfig(_Base):
     cache_index: CacheIndexConfig = msgspec.field(default_factory=CacheIndexConfig)
     """What each instance's prefix cache holds, from vLLM's KV events (cache_index.py)."""
     api_key: str | None = None
-    """Replaces the client's Authorization on upstream legs."""
+    """Replaces the client's Authorization on upstream legs (``Bearer <key>``; vLLM's
+    ``--api-key``). Prefer ``api_key_file`` or ``KVDISAGG_API_KEY``: a config file (a ConfigMap)
+    is often readable more widely than a secret. Never the command line."""
+    api_key_file: str | None = None
+    """File holding ``api_key`` (a mounted Kubernetes Secret). With neither this nor
+    ``api_key``, the environment variable ``KVDISAGG_API_KEY`` is read. Resolved by
+    ``validate()``, which puts the key in ``api_key``."""
     admin: AdminConfig = msgspec.field(default_factory=AdminConfig)
     drain_timeout_s: Annotated[float, msgspec.Meta(ge=0, le=86400)] = 30.0
     """Shutdown and admin drain wait at most this long."""
@@ -320,7 +327,21 @@ class ProxyConfig(_Base):
                     raise ConfigError(f"discovery.{key}[{i}]: {exc}") from None
 
         _check_admin(cfg.admin, cfg.port)
-        return cfg
+        return _with_api_key(cfg)
+
+
+def _with_api_key(cfg: ProxyConfig) -> ProxyConfig:
+    """``cfg`` with ``api_key`` read from ``api_key_file``, else from ``KVDISAGG_API_KEY`` when
+    the config gives no key; the same answer when run again on its own result."""
+    if cfg.api_key_file:
+        key = read_key_file(cfg.api_key_file, "api_key_file")
+        if cfg.api_key is not None and cfg.api_key != key:
+            raise ConfigError("api_key and api_key_file are both set, to different keys: keep "
+                              "api_key_file (a config file is no place for a key)")
+        return msgspec.structs.replace(cfg, api_key=key)
+    if cfg.api_key is None and (key := os.environ.get(API_KEY_ENV, "").strip()):
+        return msgspec.structs.replace(cfg, api_key=key)
+    return cfg
 
 
 def _check_admin(admin: AdminConfig, serving_port: int) -> None:

@@ -93,3 +93,34 @@ def test_flags_are_checked_like_the_file(tmp_path: Path) -> None:
     cfg = config_from_args(parse("--config", str(y), "--admission", "shed", "--port", "9001"))
     assert cfg.port == 9001 and cfg.slo.ttft_s == 0.2 and cfg.slo.admission is Admission.SHED
     assert [i.url for i in cfg.instances] == ["http://d:1"]
+
+
+def test_api_key_only_from_a_file_or_the_environment(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The key sent upstream (``Authorization: Bearer``) never comes from argv: ``--api-key``
+    is refused as ``--admin-key`` is; ``--api-key-file`` or ``api_key_file`` in the config file
+    reads it from a file; else ``KVDISAGG_API_KEY``."""
+    monkeypatch.delenv("KVDISAGG_API_KEY", raising=False)
+    with pytest.raises(ConfigError, match="--api-key is not accepted.*--api-key-file FILE.*"
+                                          "KVDISAGG_API_KEY"):
+        config_from_args(parse("--api-key", "sk-visible-in-ps"))
+    assert config_from_args(parse()).api_key is None
+    key = tmp_path / "api-key"
+    key.write_text("sk-from-file\n")
+    cfg = config_from_args(parse("--api-key-file", str(key)))
+    assert cfg.api_key == "sk-from-file" and cfg.validate() == cfg  # validate() runs again
+    y = tmp_path / "p.yaml"
+    y.write_text(f"api_key_file: {key}\n")
+    assert config_from_args(parse("--config", str(y))).api_key == "sk-from-file"
+    monkeypatch.setenv("KVDISAGG_API_KEY", "sk-from-env")
+    assert config_from_args(parse()).api_key == "sk-from-env"
+    assert config_from_args(parse("--api-key-file", str(key))).api_key == "sk-from-file"
+    with pytest.raises(ConfigError, match="api_key_file: cannot read"):
+        config_from_args(parse("--api-key-file", str(tmp_path / "missing")))
+    key.write_text("\n")
+    with pytest.raises(ConfigError, match="api_key_file: .* is empty"):
+        config_from_args(parse("--api-key-file", str(key)))
+    key.write_text("sk-from-file")
+    y.write_text(f"api_key: sk-other\napi_key_file: {key}\n")
+    with pytest.raises(ConfigError, match="api_key and api_key_file are both set"):
+        config_from_args(parse("--config", str(y)))
