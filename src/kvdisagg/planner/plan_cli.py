@@ -1,4 +1,6 @@
-"""``kvdisagg plan``: DistServe's placement search on the simulator, with launch commands."""
+"""``kvdisagg plan``: DistServe's placement search on the simulator, with launch commands (the
+transport and the proxy's policy they use printed with the reason for each) and, with
+``--kustomize DIR``, the replica counts as a kustomize overlay."""
 
 from __future__ import annotations
 
@@ -37,16 +39,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "<nodeK> placeholders otherwise)")
     p.add_argument("--serve-args", default="", metavar="ARGS",
                    help="more vLLM arguments for every instance line, e.g. '--dtype float32'")
+    from kvdisagg.planner.commands import POLICIES, SIMULATED_POLICY, TRANSPORTS
+
+    p.add_argument("--transport", choices=["auto", *TRANSPORTS], default="auto",
+                   help="the KV transport in the launch lines (default auto: nccl on GPUs, tcp "
+                        "with --device cpu)")
+    p.add_argument("--lmcache-url", metavar="lm://HOST:PORT",
+                   help="the LMCache server, for --transport lmcache")
+    p.add_argument("--policy", choices=POLICIES, default=SIMULATED_POLICY,
+                   help=f"the proxy's policy in the launch lines (default {SIMULATED_POLICY}: "
+                        "what the simulator dispatches by, so what the goodput predicted is for)")
+    p.add_argument("--kustomize", metavar="DIR",
+                   help="also write DIR/kustomization.yaml: the plan's prefill and decode "
+                        "replica counts as an overlay of --kustomize-base")
+    p.add_argument("--kustomize-base", metavar="DIR", default="examples/kubernetes",
+                   help="the kustomize base the overlay scales (default examples/kubernetes, "
+                        "whose Deployments are named prefill and decode)")
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
     import shlex
 
     import msgspec
 
     from kvdisagg.errors import ConfigError
     from kvdisagg.planner.cli_common import load_common, resolve_profile
-    from kvdisagg.planner.commands import Launch, launch_commands, printed
+    from kvdisagg.planner.commands import (
+        SIMULATED_POLICY,
+        Launch,
+        choose_transport,
+        kustomization,
+        launch_commands,
+        printed,
+    )
+    from kvdisagg.planner.placement import Disaggregated
     from kvdisagg.planner.search import plan
 
     try:
@@ -67,15 +94,26 @@ def run(args: argparse.Namespace) -> int:
         return 2
     gpn = args.gpus_per_node or args.gpus
     try:
+        transport = choose_transport(args.transport, args.device)
         cmds = launch_commands(result.deployment, profile.model, gpus_per_node=gpn,
                                base_port=args.base_port, proxy_port=args.proxy_port,
                                ttft_slo_s=args.ttft_slo, tpot_slo_s=args.tpot_slo,
                                device=args.device,
                                hosts=[h for h in (args.hosts or "").split(",") if h],
-                               serve_args=shlex.split(args.serve_args))
+                               serve_args=shlex.split(args.serve_args),
+                               transport=transport.name, policy=args.policy,
+                               lmcache_url=args.lmcache_url)
+        overlay = kustomization(result.deployment, args.kustomize_base, args.kustomize,
+                                describe=result.deployment.describe()) if args.kustomize else None
     except ConfigError as exc:
         print(f"kvdisagg plan: {exc}", file=sys.stderr)
         return 2
+    if overlay is not None:
+        os.makedirs(args.kustomize, exist_ok=True)
+        with open(os.path.join(args.kustomize, "kustomization.yaml"), "w") as f:
+            f.write(overlay)
+    policy_why = ("--policy" if args.policy != SIMULATED_POLICY else
+                  "what the simulator dispatches by: the goodput predicted is for it")
     lines = [c.command if isinstance(c, Launch) else c for c in cmds]
     if args.json:
         out = msgspec.to_builtins(result)
@@ -83,6 +121,10 @@ def run(args: argparse.Namespace) -> int:
         out["commands"] = lines
         out["model"] = profile.model
         out["slo"] = msgspec.to_builtins(slo)
+        out["transport"] = {"name": transport.name, "why": transport.why}
+        out["policy"] = {"name": args.policy, "why": policy_why}
+        if args.kustomize:
+            out["kustomization"] = os.path.join(args.kustomize, "kustomization.yaml")
         sys.stdout.write(msgspec.json.encode(out).decode() + "\n")
         return 0
     print(
@@ -112,7 +154,15 @@ def run(args: argparse.Namespace) -> int:
     print("\ncandidates (per GPU):")
     for cand in result.candidates[:8]:
         print(f"  {cand.per_gpu:8.3f}  {cand.placement.describe()}")
+    print(f"\ntransport : {transport.name} ({transport.why})")
+    print(f"policy    : {args.policy} ({policy_why})")
     print("\nlaunch (paste on each node; instances start in the background, the proxy last):")
     for line in printed(cmds):
         print("  " + line)
+    if overlay is not None and isinstance(dep := result.deployment, Disaggregated):
+        print(f"\nkustomize overlay: {os.path.join(args.kustomize, 'kustomization.yaml')} "
+              f"(prefill {dep.num_prefill}, decode {dep.num_decode} replicas; "
+              f"kubectl apply -k {args.kustomize})")
+        for note in (line for line in (overlay or "").splitlines() if line.startswith("# NOTE")):
+            print("  " + note.removeprefix("# "))
     return 0
