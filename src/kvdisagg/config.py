@@ -63,6 +63,13 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """OTLP/HTTP collector (``http://host:4318``) for the handoff's spans (tracing.py); ''
     (default): no spans. Needs ``kvdisagg[tracing]``."""
 
+    protocol_version_override: Annotated[int, msgspec.Meta(ge=1, le=1000)] | None = None
+    """TEST ONLY: speak (and announce) this one side-channel protocol version instead of every
+    version this code speaks (protocol.py ``Versions``), so a test can run an instance that
+    looks like another release: prefill's kv_transfer_params, the Hello decode sends, the
+    versions prefill accepts and the ``vllm:kvdisagg_protocol_version*`` gauges all say it.
+    The bytes stay this release's; never set it in production."""
+
     scheduler: dict[str, Any] = msgspec.field(default_factory=dict)
     """Settings of the scheduler plugin ``kvdisagg.slo_scheduler.SloScheduler`` when vLLM runs it
     (``--scheduler-cls``); validated there (docs/scheduler.md)."""

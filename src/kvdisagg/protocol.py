@@ -24,6 +24,18 @@ PROTOCOL_VERSION history:
      whose block ids and token count are then unknown); decode's Read names blocks by position
      (``first_block``) and waits at prefill until the handoff is offered; the grant (Reply)
      names prefill's blocks. Tokens are URL-safe ASCII.
+
+Versions in common (no wire change, so still 5): an instance speaks every version from
+MIN_PROTOCOL_VERSION to PROTOCOL_VERSION (``Versions``). Prefill's kv_transfer_params say which
+(``version`` and ``min_version``), decode says in its Hello the highest version both speak,
+and prefill accepts any version of its own range. Each instance exports its range on its
+/metrics (``vllm:kvdisagg_protocol_version``, ``vllm:kvdisagg_protocol_version_min``), where
+the proxy reads it and pairs only prefills and decodes with a version in common, so a fleet
+in the middle of a rolling upgrade keeps serving. 5 speaks 4: a version-4 peer's frames are
+5's without the fields 5 added (each has a default, and both sides ignore fields they do not
+know), and an early handoff (5's one addition) is never sent to or asked of a peer below
+EARLY_HANDOFF_VERSION. The range must only widen by keeping the old frames' meaning: a change
+that does not (a field whose absence means something else) raises MIN_PROTOCOL_VERSION.
 """
 
 from __future__ import annotations
@@ -32,7 +44,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, NamedTuple
 
 import msgspec
 
@@ -40,6 +52,10 @@ from kvdisagg.errors import TransferFailed
 from kvdisagg.layout import KvGeometry
 
 PROTOCOL_VERSION = 5
+MIN_PROTOCOL_VERSION = 4
+"""The oldest version this code still speaks (see the history above: 5 speaks 4)."""
+EARLY_HANDOFF_VERSION = 5
+"""Early handoffs (``early`` params, a Read by position) need this version on both sides."""
 NAMESPACE = "kvdisagg"
 MAX_FRAME_BYTES = 1 << 20  # control frames only; KV bytes travel outside frames
 
@@ -50,10 +66,38 @@ HandoffId = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]  # 0: no side channel (store transports)
 
 
+class Versions(NamedTuple):
+    """The protocol versions an instance speaks: every one from ``lo`` to ``hi``."""
+
+    lo: int
+    hi: int
+
+    def common(self, other: Versions) -> int | None:
+        """The version two instances speak to each other (the highest both speak), or None
+        when they have none in common."""
+        version = min(self.hi, other.hi)
+        return version if version >= max(self.lo, other.lo) else None
+
+    def __str__(self) -> str:
+        return str(self.hi) if self.lo == self.hi else f"{self.lo}..{self.hi}"
+
+
+SPOKEN = Versions(MIN_PROTOCOL_VERSION, PROTOCOL_VERSION)
+
+
+def spoken(override: int | None = None) -> Versions:
+    """What this instance speaks: ``SPOKEN``, or only ``override`` (the test-only connector
+    key ``protocol_version_override``: an instance that announces another version)."""
+    return SPOKEN if override is None else Versions(override, override)
+
+
 class HandoffExtras(msgspec.Struct, frozen=True, kw_only=True):
     """Our fields of kv_transfer_params (under ``kvdisagg``)."""
 
     version: int = PROTOCOL_VERSION
+    """The newest protocol version prefill speaks."""
+    min_version: int = 0
+    """The oldest one; 0 (params of an instance from before it was sent): ``version`` only."""
     transport: str
     kv_layout: str
     token: Token
@@ -67,6 +111,10 @@ class HandoffExtras(msgspec.Struct, frozen=True, kw_only=True):
     early: bool = False
     """Sent to decode before prefill computed the handoff (the proxy's early dispatch): the
     block ids and token count are not known yet; decode reads the handoff by position."""
+
+    def versions(self) -> Versions:
+        """The protocol versions prefill speaks."""
+        return Versions(self.min_version or self.version, self.version)
 
 
 EARLY_PARAMS_KEY = "kvdisagg_early"
@@ -116,16 +164,18 @@ class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True):
 def handoff_params(
     *, engine_id: str, request_id: str, block_ids: list[int], host: str, ports: list[int],
     num_tokens: int, transport: str, kv_layout: str, token: str, lease_s: float,
-    stages: list[int] | None = None,
+    stages: list[int] | None = None, versions: Versions = SPOKEN,
 ) -> dict[str, object]:
     """The dict prefill returns from request_finished (becomes the response's kv_transfer_params).
-    ``ports``: one per rank, PP-major; ``stages``: the first layer of each PP stage."""
+    ``ports``: one per rank, PP-major; ``stages``: the first layer of each PP stage;
+    ``versions``: the protocol versions prefill speaks."""
     stages = list(stages or [0])
     params = RemotePrefill(
         do_remote_prefill=True, remote_engine_id=engine_id, remote_request_id=request_id,
         remote_block_ids=list(block_ids), remote_host=host, remote_port=ports[0],
         remote_num_tokens=num_tokens, tp_size=max(len(ports) // len(stages), 1),
-        kvdisagg=HandoffExtras(transport=transport, kv_layout=kv_layout, token=token,
+        kvdisagg=HandoffExtras(version=versions.hi, min_version=versions.lo,
+                               transport=transport, kv_layout=kv_layout, token=token,
                                lease_expires=time.time() + lease_s, lease_s=lease_s,
                                ports=list(ports), stages=stages),
     )
@@ -138,10 +188,11 @@ def handoff_params(
 
 
 class Hello(msgspec.Struct, tag=True, frozen=True, kw_only=True):
-    """Decode -> prefill, first on a connection: refused unless version, layout and transport
-    match. ``info`` is the transport's own (e.g. nothing for tcp)."""
+    """Decode -> prefill, first on a connection: refused unless prefill speaks the version
+    and layout and transport match. ``info`` is the transport's own (e.g. nothing for tcp)."""
 
     version: int = PROTOCOL_VERSION
+    """The version this connection speaks: the highest both sides speak (``Versions``)."""
     kv_layout: str
     transport: str = ""
     info: dict[str, Any] = {}

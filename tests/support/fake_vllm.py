@@ -50,11 +50,17 @@ class FakeVllm:
         self.kv_load_failures = 0  # the next N decode legs with KV fail as vLLM does (policy fail)
         self.recomputed: dict[str, int] = {}  # vllm:kvdisagg_recomputed_prompts_total by reason
         self.max_model_len: int | None = None  # listed by /v1/models when set
+        # The side-channel protocol versions (lo, hi) it speaks, as DisaggConnector says them:
+        # its /metrics gauges, its handoff params (full_kv); a decode fails the load of a
+        # handoff whose prefill speaks none of them, as vLLM does (policy fail). None: says
+        # nothing, pairs with anything (another connector, an older release).
+        self.protocol: tuple[int, int] | None = None
         # /detokenize as vLLM answers it, when set: "" for an id the tokenizer does not know
         # (>= vocab_size), text for the others; unset, the route echoes like any other
         self.vocab_size: int | None = None
         self.seen: list[dict[str, Any]] = []
         self.aborted = 0  # requests whose client (the proxy) went away before the end
+        self.incompatible = 0  # decode legs with a handoff of a prefill it speaks no version of
         self._ids = itertools.count()
 
     def kv_params(self) -> dict[str, Any]:
@@ -67,7 +73,18 @@ class FakeVllm:
             params |= {"remote_num_tokens": 40, "kvdisagg": {
                 "transport": "tcp", "kv_layout": "fake", "token": "faketoken",
                 "lease_expires": 0.0, "lease_s": 30.0, "ports": [5600]}}
+            if self.protocol is not None:
+                params["kvdisagg"] |= {"min_version": self.protocol[0],
+                                       "version": self.protocol[1]}
         return params
+
+    def speaks_with(self, kv: dict[str, Any]) -> bool:
+        """Whether this decode speaks a protocol version of the handoff's prefill."""
+        extras = kv.get("kvdisagg")
+        if self.protocol is None or not isinstance(extras, dict) or "version" not in extras:
+            return True
+        hi, lo = extras["version"], extras.get("min_version") or extras["version"]
+        return max(lo, self.protocol[0]) <= min(hi, self.protocol[1])
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         self.active += 1
@@ -113,6 +130,9 @@ class FakeVllm:
                 return web.Response(body=_enc(out), content_type="application/json")
             if kv.get("do_remote_prefill") and self.kv_load_failures > 0:
                 self.kv_load_failures -= 1
+                return await self._kv_load_failure(request, bool(body.get("stream")))
+            if kv.get("do_remote_prefill") and not self.speaks_with(kv):
+                self.incompatible += 1
                 return await self._kv_load_failure(request, bool(body.get("stream")))
             if body.get("stream"):
                 n = body.get("max_tokens") if self.use_max_tokens else None
@@ -218,6 +238,10 @@ class FakeVllm:
                      f"vllm:kvdisagg_recomputed_prompts_created{labels} 1.7e9\n")
         if self.retiring:  # SIGTERM received
             text += 'vllm:kvdisagg_retiring{engine="0"} 1.0\n'
+        if self.protocol is not None:
+            text += (f'vllm:kvdisagg_protocol_version_min{{engine="0"}} '
+                     f'{float(self.protocol[0])}\n'
+                     f'vllm:kvdisagg_protocol_version{{engine="0"}} {float(self.protocol[1])}\n')
         return web.Response(text=text)
 
     async def models(self, _request: web.Request) -> web.Response:

@@ -98,6 +98,7 @@ CONNECTOR_STATE_EXEMPT = frozenset({
     "ports",  # from the handshake
     "_free_slots",  # prefill's free staging-arena blocks (not per request)
     "shape",  # this instance's TP and PP stages (from the handshake)
+    "versions",  # the side-channel protocol versions this instance speaks (from its config)
 })
 
 # A config.json is all vLLM's ModelConfig needs (skip_tokenizer_init): Llama shape of

@@ -20,3 +20,11 @@ def test_defaults():
 def test_bad_key_is_named(extra, key):
     with pytest.raises(ConfigError, match=key):
         parse_config(extra)
+
+
+def test_protocol_version_override_is_a_test_setting_checked_like_any_key():
+    assert parse_config({}).protocol_version_override is None
+    assert parse_config({"protocol_version_override": 6}).protocol_version_override == 6
+    for bad in (0, -1, 1001, "5", 4.5):
+        with pytest.raises(ConfigError, match="protocol_version_override"):
+            parse_config({"protocol_version_override": bad})

@@ -21,12 +21,23 @@ from dataclasses import dataclass
 
 from kvdisagg.errors import KvDisaggError
 from kvdisagg.layout import KvGeometry
-from kvdisagg.protocol import Done, HandoffRef, Hello, Message, Renew, Reply, recv_frame, send_frame
+from kvdisagg.protocol import (
+    PROTOCOL_VERSION,
+    Done,
+    HandoffRef,
+    Hello,
+    Message,
+    Renew,
+    Reply,
+    recv_frame,
+    send_frame,
+)
 from kvdisagg.threads import start_thread
 
 logger = logging.getLogger(__name__)
 
 MIN_INTERVAL_S = 0.2
+_Peer = tuple[str, int, int]  # a prefill worker's (host, port) and the version spoken with it
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,8 @@ class Held:
     host: str
     ports: tuple[int, ...]
     lease_s: float
+    version: int = PROTOCOL_VERSION
+    """The side-channel version spoken with this prefill (protocol.Versions.common)."""
 
 
 class LeaseKeeper:
@@ -48,7 +61,7 @@ class LeaseKeeper:
         self._held: dict[str, Held] = {}  # decode request id -> its handoff
         self._fresh: list[Held] = []  # held since the last round: renewed at once
         self._releases: list[Held] = []
-        self._conns: dict[tuple[str, int], socket.socket] = {}
+        self._conns: dict[_Peer, socket.socket] = {}  # one control connection per peer
         self._cond = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -104,17 +117,17 @@ class LeaseKeeper:
             self._send(renew, releases)
 
     def _send(self, renew: list[Held], releases: list[Held]) -> None:
-        frames: dict[tuple[str, int], list[Message]] = {}
-        refs: dict[tuple[str, int], list[HandoffRef]] = {}
+        frames: dict[_Peer, list[Message]] = {}
+        refs: dict[_Peer, list[HandoffRef]] = {}
         for held in renew:
             for port in held.ports:
-                refs.setdefault((held.host, port), []).append(
+                refs.setdefault((held.host, port, held.version), []).append(
                     HandoffRef(held.handoff_id, held.token))
         for key, batch in refs.items():
             frames.setdefault(key, []).append(Renew(handoffs=batch))
         for held in releases:
             for port in held.ports:
-                frames.setdefault((held.host, port), []).append(
+                frames.setdefault((held.host, port, held.version), []).append(
                     Done(handoff_id=held.handoff_id, token=held.token, ok=False))
         for key, messages in frames.items():
             try:
@@ -126,18 +139,21 @@ class LeaseKeeper:
                 self.renewed += sum(len(m.handoffs) for m in renews)
             except (OSError, ValueError, KvDisaggError) as exc:
                 # Prefill unreachable: its pulls fail on their own; retry next round.
-                logger.warning("kvdisagg: lease renewal to %s:%d failed: %s", *key, exc)
+                logger.warning("kvdisagg: lease renewal to %s:%d (protocol %d) failed: %s",
+                               *key, exc)
                 if (dead := self._conns.pop(key, None)) is not None:
                     dead.close()
 
-    def _connection(self, key: tuple[str, int]) -> socket.socket:
+    def _connection(self, key: _Peer) -> socket.socket:
         if (sock := self._conns.get(key)) is not None:
             return sock
-        sock = socket.create_connection(key, timeout=self.timeout_s)
+        host, port, version = key
+        sock = socket.create_connection((host, port), timeout=self.timeout_s)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            send_frame(sock, Hello(kv_layout=self.kv_layout, transport=self.transport,
-                                   control=True, geometry=self.geometry))
+            send_frame(sock, Hello(version=version, kv_layout=self.kv_layout,
+                                   transport=self.transport, control=True,
+                                   geometry=self.geometry))
             reply = recv_frame(sock)
             if not isinstance(reply, Reply) or not reply.ok:
                 raise ValueError(f"prefill refused the control connection: "

@@ -11,6 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvdisagg.layout import KvGeometry
+from kvdisagg.protocol import PROTOCOL_VERSION
 from kvdisagg.sharding import Part, Shape
 
 
@@ -56,6 +57,7 @@ class LoadSpec:
     release_only: bool = False
     error: str = ""
     trace: str = ""  # traceparent of the scheduler's kvdisagg.load span (tracing.py)
+    version: int = PROTOCOL_VERSION  # the side-channel version to speak (transport.Fetch)
 
 
 @dataclass

@@ -49,7 +49,16 @@ from kvdisagg.connector.metadata import (
 )
 from kvdisagg.connector.retire import Retirement
 from kvdisagg.connector.stats import DisaggStats
-from kvdisagg.protocol import EARLY_PARAMS_KEY, EarlyHandoff, RemotePrefill, handoff_params
+from kvdisagg.protocol import (
+    EARLY_HANDOFF_VERSION,
+    EARLY_PARAMS_KEY,
+    PROTOCOL_VERSION,
+    EarlyHandoff,
+    RemotePrefill,
+    Versions,
+    handoff_params,
+    spoken,
+)
 from kvdisagg.sharding import Shape, check, plan
 from kvdisagg.tracing import TRACE_PARAMS_KEY, Tracer, end, traceparent_of, valid_traceparent
 
@@ -77,14 +86,29 @@ class _Incoming:
     trace: str = ""  # the proxy leg's traceparent, validated ('' when none or malformed)
     # Why it computes its prompt itself ('' while it does not, as far as is known).
     recomputed: str = ""
+    version: int = PROTOCOL_VERSION  # the side-channel version spoken with its prefill
 
     @classmethod
-    def of(cls, params: dict[str, Any]) -> _Incoming:
+    def of(cls, params: dict[str, Any], mine: Versions) -> _Incoming:
+        """``mine``: the protocol versions this decode speaks; params of a prefill with none
+        in common (the proxy pairs instances that have one) are unusable."""
         trace = valid_traceparent(params.get(TRACE_PARAMS_KEY))
         try:
-            return cls(msgspec.convert(params, RemotePrefill), trace=trace)
+            handoff = msgspec.convert(params, RemotePrefill)
         except msgspec.ValidationError as exc:
             return cls(None, error=f"invalid kv_transfer_params: {exc}", trace=trace)
+        theirs = handoff.kvdisagg.versions()
+        version = mine.common(theirs)
+        if version is None:
+            return cls(None, trace=trace, error=(
+                f"prefill {handoff.remote_host} speaks side-channel protocol {theirs}, this "
+                f"decode {mine}: no version in common (instances of releases too far apart; "
+                "the proxy pairs only instances with one, docs/operations.md#rolling-upgrades)"))
+        if handoff.kvdisagg.early and version < EARLY_HANDOFF_VERSION:
+            return cls(None, trace=trace, error=(
+                f"an early handoff needs protocol {EARLY_HANDOFF_VERSION} on both sides; "
+                f"prefill {handoff.remote_host} and this decode speak {version}"))
+        return cls(handoff, trace=trace, version=version)
 
     @property
     def key(self) -> HandoffKey | None:
@@ -118,6 +142,11 @@ class DisaggScheduler:
         self.kv_heads, self.num_layers = (model.get_total_num_kv_heads(),
                                           model.get_total_num_hidden_layers())
         self.block_size = vllm_config.cache_config.block_size
+        self.versions = spoken(config.protocol_version_override)  # side-channel versions
+        if config.protocol_version_override is not None:
+            logger.warning("kvdisagg: protocol_version_override=%d (a test setting): this "
+                           "instance announces side-channel protocol %s only",
+                           config.protocol_version_override, self.versions)
         self.prefix_lookup = prefix_lookup
         self._stored: dict[str, int] = {}  # memo of prefix_lookup per waiting request
         self.ports: list[int] = []
@@ -186,7 +215,7 @@ class DisaggScheduler:
                 self._expects.append((named.handoff_id, named.token))
         if not self.is_consumer or not (params and params.get("do_remote_prefill")):
             return
-        incoming = self._incoming[request.request_id] = _Incoming.of(params)
+        incoming = self._incoming[request.request_id] = _Incoming.of(params, self.versions)
         if (key := incoming.key) is not None:
             self._key_of[request.request_id] = key
             self._shared.setdefault(key, _Shared()).refs += 1
@@ -194,7 +223,7 @@ class DisaggScheduler:
             return  # unusable params are refused when its load is planned
         self.leases.hold(request.request_id, Held(
             p.remote_request_id, p.kvdisagg.token, p.remote_host, tuple(p.kvdisagg.ports),
-            p.kvdisagg.lease_s))
+            p.kvdisagg.lease_s, incoming.version))
 
     def update_connector_output(self, finished_recving: set[str], failed_recving: set[str],
                                 worker_meta: DisaggWorkerMeta | None) -> None:
@@ -367,7 +396,7 @@ class DisaggScheduler:
                         transport=p.kvdisagg.transport, early=early,
                         kv_layout=p.kvdisagg.kv_layout, remote_block_ids=tuple(remote),
                         local_block_ids=tuple(local), first_block=first,
-                        release_only=not local)
+                        release_only=not local, version=incoming.version)
 
     def build_connector_meta(self, idle: bool = False) -> DisaggMetadata:
         """The step's metadata. ``idle``: the step computes nothing. vLLM's engine loop spins
@@ -434,7 +463,7 @@ class DisaggScheduler:
             host=self.config.side_channel_host, ports=self.ports,
             num_tokens=request.num_computed_tokens, transport=self.transport_name,
             kv_layout=self.kv_layout, token=token, lease_s=self.config.lease_seconds,
-            stages=list(self.shape.stages))
+            stages=list(self.shape.stages), versions=self.versions)
 
     def _store_decoded(self, request: Request, block_ids: list[int]) -> bool:
         """Decode with a store transport: the finished request's KV, prompt and answer, goes to

@@ -1,7 +1,12 @@
 """Transfer counters and phase timings: the workers (and the scheduler) report them each step;
 vLLM logs them and exports them on the instance's own /metrics, as Prometheus counters
 ``vllm:kvdisagg_*`` (``vllm:kvdisagg_recomputed_prompts_total`` with a ``reason`` label), the
-gauge ``vllm:kvdisagg_retiring`` and the histogram ``vllm:kvdisagg_phase_seconds{phase=...}``."""
+gauge ``vllm:kvdisagg_retiring`` and the histogram ``vllm:kvdisagg_phase_seconds{phase=...}``.
+
+Two gauges are set once, when vLLM's API server builds its metrics (no engine step needed, so
+the proxy's first probe of a new process reads them): ``vllm:kvdisagg_protocol_version`` and
+``vllm:kvdisagg_protocol_version_min``, the side-channel protocol versions the instance speaks
+(protocol.Versions), which the proxy reads to pair only instances with a version in common."""
 
 from __future__ import annotations
 
@@ -12,6 +17,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
+
+from kvdisagg.config import parse_config
+from kvdisagg.protocol import Versions, spoken
 
 
 class SloStats(NamedTuple):
@@ -59,6 +67,22 @@ GAUGES = {  # set when reported (the last value stands); aggregated as the maxim
     "retiring": "1 once this instance is retiring (SIGTERM): it takes no new requests and "
                 "exits when the handoffs it holds and its running requests are done",
 }
+
+VERSION_GAUGES = {  # set once at start (versions_of); the proxy pairs instances by them
+    "protocol_version": "The newest side-channel protocol version this instance speaks "
+                        "(prefill: serves; decode: pulls with)",
+    "protocol_version_min": "The oldest side-channel protocol version this instance speaks: "
+                            "it pairs with any instance whose range overlaps its own",
+}
+
+
+def versions_of(vllm_config: Any) -> Versions:
+    """The protocol versions the instance of ``vllm_config`` speaks (its connector config's
+    ``protocol_version_override``, a test setting, narrows them to one)."""
+    kv = getattr(vllm_config, "kv_transfer_config", None)
+    extra = getattr(kv, "kv_connector_extra_config", None) if kv is not None else None
+    return spoken(parse_config(extra).protocol_version_override)
+
 
 PHASES = {  # the handoff timeline on an instance (docs/operations.md, "Handoff timeline")
     "queue": "decode: a planned pull waiting for a pull thread",
@@ -150,6 +174,12 @@ class DisaggPromMetrics(KVConnectorPromMetrics):
                                 labelnames=labelnames, multiprocess_mode="mostrecent"),
                 per_engine_labelvalues)
             for k, doc in GAUGES.items()}
+        versions = versions_of(vllm_config)
+        for k, doc in VERSION_GAUGES.items():
+            gauge = self._gauge_cls(name=f"vllm:kvdisagg_{k}", documentation=doc,
+                                    labelnames=labelnames, multiprocess_mode="mostrecent")
+            for engine in create_metric_per_engine(gauge, per_engine_labelvalues).values():
+                engine.set(versions.lo if k.endswith("_min") else versions.hi)
         histogram = self._histogram_cls(
             name="vllm:kvdisagg_phase_seconds", labelnames=[*labelnames, "phase"],
             documentation="Handoff timeline phases on this instance (phase label: "

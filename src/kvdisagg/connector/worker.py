@@ -182,7 +182,8 @@ class DisaggWorker:
                     kv_layout=load.kv_layout, remote_block_ids=load.remote_block_ids,
                     local_block_ids=load.local_block_ids,
                     prompt_token_ids=load.prompt_token_ids, first_block=load.first_block,
-                    part=part, prefill=load.prefill, early=load.early),
+                    part=part, prefill=load.prefill, early=load.early,
+                    version=load.version),
                     self.config.transfer_timeout_seconds, timings[-1])
         except Exception as exc:
             with self._lock:

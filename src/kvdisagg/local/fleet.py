@@ -41,6 +41,12 @@ def kv_events_args(name: str) -> list[str]:
     return ["--kv-events-config", json.dumps(events)]
 
 
+def _merged(base: dict[str, Any] | None, each: Sequence[dict[str, Any] | None],
+            i: int) -> dict[str, Any]:
+    """``base`` with entry ``i`` of ``each`` (if any) over it."""
+    return {**(base or {}), **((each[i] if i < len(each) else None) or {})}
+
+
 class Fleet:
     """Prefill + decode (+ an optional plain reference instance) + ``kvdisagg proxy``."""
 
@@ -52,11 +58,15 @@ class Fleet:
                  reference_args: Sequence[str] = (), proxy_args: Sequence[str] = (),
                  binds: dict[str, str | None] | None = None,
                  env: dict[str, str] | None = None, always_disaggregate: bool = True,
-                 prefills: int = 1, decodes: int = 1, kv_events: bool = False) -> None:
+                 prefills: int = 1, decodes: int = 1, kv_events: bool = False,
+                 prefill_extras: Sequence[dict[str, Any] | None] = ()) -> None:
         """``always_disaggregate``: the proxy sends every request through prefill (what tests
         of the handoff want); False: the proxy decides per request, as it does by default.
         ``prefills``: how many prefill instances (``self.prefills``; ``self.prefill`` is the
-        first), all with the same arguments and binding. ``decodes``: how many decode
+        first), all with the same arguments and binding, but ``prefill_extras``: connector
+        settings of prefill ``i`` merged over ``prefill_extra`` (entry ``i``; missing or None:
+        ``prefill_extra`` alone), e.g. one prefill announcing another protocol version
+        (``protocol_version_override``). ``decodes``: how many decode
         instances (``self.decodes``; ``self.decode`` is the first), all with the same
         arguments; decode ``i`` is bound as ``binds["decode{i}"]`` if given, else as the first.
         ``kv_events``: prefill and decode
@@ -68,8 +78,9 @@ class Fleet:
         self.prefills = [
             VllmServer(model, log_path=log_dir / (f"prefill{i}.log" if i else "prefill.log"),
                        omp_threads_bind=bind["prefill"],
-                       extra_args=[*kv_transfer_args("kv_producer", prefill_extra,
-                                                     prefill_failure_policy), *prefill_args,
+                       extra_args=[*kv_transfer_args("kv_producer", _merged(
+                                       prefill_extra, prefill_extras, i),
+                                       prefill_failure_policy), *prefill_args,
                                    *(kv_events_args(f"prefill{i}") if kv_events else ())],
                        env=env)
             for i in range(prefills)]

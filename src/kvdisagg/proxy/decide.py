@@ -19,6 +19,14 @@ decode serves well (``body.local_reason``) goes to decode alone whatever its len
 **Inputs.** The request's prompt tokens (exact token ids when the proxy has a tokenizer, else
 an estimate), what each instance caches (``CacheView``), decode's live TPOT estimate and load.
 A wrong prediction costs latency, never a request: decode computes what it lacks.
+
+**Versions.** A disaggregated request needs a prefill that speaks a side-channel protocol
+version the decode speaks (``registry.pairable``; a fleet in the middle of a rolling upgrade
+has pairs without one). When no routable prefill pairs with the chosen decode, the decision is
+taken again among the decodes that some prefill pairs with; when there are none, decode serves
+the request alone (``no_compatible_prefill``, with ``retry.decode_only_fallback``; without it
+the prefill stage answers 503). The prefill is then chosen among those that pair with the
+decode (``prefill.choose_prefill``).
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from kvdisagg.proxy.body import ClientBody
 from kvdisagg.proxy.config import ProxyConfig
 from kvdisagg.proxy.policies import Policy, RouteRequest, Selection, SloAware, Verdict, load_score
 from kvdisagg.proxy.prefix_index import BlockExtra, Lookup, Pending
-from kvdisagg.proxy.registry import Instance, Registry
+from kvdisagg.proxy.registry import Instance, Registry, pairable
 from kvdisagg.proxy.types import Side
 
 
@@ -108,7 +116,7 @@ class Decider:
         cap = self.cfg.decision.idle_decode_tokens
         if decode.in_flight(Side.DECODE) > decode.local_prefills or decode.vllm_others >= 1:
             return False
-        prefills = self.registry.candidates(Side.PREFILL)
+        prefills = [p for p in self.registry.candidates(Side.PREFILL) if pairable(p, decode)]
         backlog = min((p.in_flight_tokens(Side.PREFILL) for p in prefills), default=0)
         return (backlog > 0 and decode.local_prefill_tokens <= backlog
                 and decode.local_prefill_tokens + uncached <= cap)
@@ -121,6 +129,24 @@ class Decider:
         hits = hits or {}
         cands = (self.registry.candidates(Side.DECODE, avoid)
                  or self.registry.candidates(Side.DECODE))
+        decision = self._decide(body, hits, cands)
+        decode = decision.decode.instance
+        if decision.route is not Route.PD or not isinstance(decode, Instance):
+            return decision
+        prefills = self.registry.candidates(Side.PREFILL)
+        if not prefills or any(pairable(p, decode) for p in prefills):
+            return decision  # (no prefill at all: the prefill stage says so)
+        # No prefill speaks a protocol version this decode does (a rolling upgrade).
+        paired = [d for d in cands if any(pairable(p, d) for p in prefills)]
+        if paired:
+            return self._decide(body, hits, paired)
+        if not self.cfg.retry.decode_only_fallback:
+            return decision  # the prefill stage refuses it (503 no_compatible_prefill)
+        return decision._replace(route=Route.DECODE_ONLY, reason="no_compatible_prefill")
+
+    def _decide(self, body: ClientBody, hits: dict[str, int],
+                cands: Sequence[Instance]) -> Decision:
+        """``decide`` among decode candidates ``cands``."""
         sel = self.choose_decode(body, cands, hits)
         prompt = body.route.prompt_tokens
         decode = sel.instance

@@ -14,6 +14,12 @@ have died) gets the retry with a fresh handoff, and a 500 or error event after a
 not open its breaker. Once the client has bytes (``relay_stream``), a decode failure ends the
 stream with an error event then ``[DONE]``. A client that goes away cancels the handler, which
 aborts the upstream connection: vLLM then aborts the request and frees its blocks.
+
+A handoff goes only to a decode that speaks a side-channel protocol version of its prefill
+(``registry.accepts``; the handoff's params say which, ``Prefilled.versions``): the decision
+chose one already, unless what the proxy knew of an instance's versions was stale (a pod
+replaced between probes). Then another decode that does takes it; with none, decode computes
+the prompt itself (``no_compatible_decode``) and the handoff expires on prefill a lease later.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from kvdisagg.proxy.legs import (
 from kvdisagg.proxy.migrate import Tap, continuation, ending, include_usage, wants_token_ids
 from kvdisagg.proxy.policies import Selection, Verdict
 from kvdisagg.proxy.prefill import Prefilled, prefill
-from kvdisagg.proxy.registry import Instance, Outcome
+from kvdisagg.proxy.registry import Instance, Outcome, accepts
 from kvdisagg.proxy.responses import error_event, error_response
 from kvdisagg.proxy.types import Admission, Side
 from kvdisagg.proxy.upstream import Response
@@ -93,6 +99,24 @@ def migratable(s: Serving, body: bodies.ClientBody) -> bool:
             and s.cfg.retry.migrations > 0)
 
 
+def handoff_decode(s: Serving, ctx: RequestCtx, pre: Prefilled, first: Selection,
+                   avoid: tuple[Instance, ...] = ()) -> tuple[Prefilled, Selection]:
+    """The decode to take ``pre``'s handoff: ``first`` when it speaks a protocol version of
+    the handoff's prefill, else the pick among the decodes that do; with none, ``first``
+    computing the prompt itself (``no_compatible_decode``)."""
+    decode = first.instance
+    if pre.kv is None or not isinstance(decode, Instance) or accepts(decode, pre.versions):
+        return pre, first
+    reg = s.registry
+    cands = [c for c in (reg.candidates(Side.DECODE, avoid) or reg.candidates(Side.DECODE))
+             if accepts(c, pre.versions)]
+    if cands:
+        return pre, s.decider.choose_decode(ctx.body, cands)
+    log.warning("request %s: no decode speaks protocol %s of the handoff's prefill; decode "
+                "computes the prompt itself", ctx.rid, pre.versions)
+    return Prefilled(None, "no_compatible_decode", ctx.body.route.prompt_tokens), first
+
+
 async def open_decode(s: Serving, ctx: RequestCtx, pre: Prefilled,
                       first: Selection | None = None,
                       avoid: tuple[Instance, ...] = ()) -> Opened | web.Response:
@@ -118,6 +142,14 @@ async def open_decode(s: Serving, ctx: RequestCtx, pre: Prefilled,
                 # No other decode: one that answered with an error (typically a KV load that
                 # failed because its prefill died) gets the retry, with a fresh handoff.
                 cands = [i for i in reg.candidates(Side.DECODE) if i in answered]
+            if pre.kv is not None and cands:  # only decodes that can pull this handoff
+                fit = [c for c in cands if accepts(c, pre.versions)]
+                if not fit:
+                    log.warning("request %s: no decode left speaks protocol %s of the "
+                                "handoff's prefill; decode computes the prompt itself",
+                                ctx.rid, pre.versions)
+                    pre = Prefilled(None, "no_compatible_decode", ctx.body.route.prompt_tokens)
+                cands = fit or cands
             sel = s.decider.choose_decode(ctx.body, cands)
         inst = sel.instance
         if inst is None:

@@ -17,8 +17,9 @@ position.
 handoff for every request); the chosen prefill is idle (no leg of ours in flight,
 nothing waiting in its vLLM gauges: it starts at once, so decode holds the request's blocks for
 the prefill's compute, not its queue); an earlier handoff told us its parameters; its
-transport is a pull transport (a store has no side channel: port 0). Otherwise, and for a
-migrated stream's continuation, the ordinary path.
+transport is a pull transport (a store has no side channel: port 0); the pair speaks protocol
+version ``EARLY_HANDOFF_VERSION`` or later (or the proxy does not know their versions).
+Otherwise, and for a migrated stream's continuation, the ordinary path.
 
 **Failure.** If the prefill leg fails first, the decode leg is cancelled (vLLM aborts it) and
 the request is served the ordinary way, that leg counted as its first prefill try (another
@@ -39,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from aiohttp import web
 
-from kvdisagg.protocol import RemotePrefill
+from kvdisagg.protocol import EARLY_HANDOFF_VERSION, RemotePrefill
 from kvdisagg.proxy.decide import Decision
 from kvdisagg.proxy.decode import Opened, attempt
 from kvdisagg.proxy.legs import LegFailure
@@ -88,7 +89,7 @@ async def open_early(s: Serving, ctx: RequestCtx, decision: Decision, sel: Selec
         return None
     if (not isinstance(inst, Instance) or sel.verdict is not Verdict.OK
             or inst.handoff_params is None or inst.in_flight(Side.PREFILL)
-            or inst.vllm_waiting >= 1):
+            or inst.vllm_waiting >= 1 or not _speak_early(inst, decode)):
         return None
     named = {"handoff_id": secrets.token_urlsafe(16), "token": secrets.token_urlsafe(16)}
     kv = early_params(inst.handoff_params, **named)
@@ -121,6 +122,14 @@ async def open_early(s: Serving, ctx: RequestCtx, decision: Decision, sel: Selec
                 ctx.rid, opened.failure.message,
                 "" if failed is None else f", prefill too ({failed.message})")
     return None if failed is None else _retry_from(inst, failed)
+
+
+def _speak_early(prefill: Instance, decode: Instance) -> bool:
+    """Whether the pair speaks a protocol version with early handoffs (unknown: as before)."""
+    if prefill.protocol is None or decode.protocol is None:
+        return True
+    version = prefill.protocol.common(decode.protocol)
+    return version is not None and version >= EARLY_HANDOFF_VERSION
 
 
 def _failure(prefilled: asyncio.Future[Prefilled | LegFailure]) -> LegFailure | None:

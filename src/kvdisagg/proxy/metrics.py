@@ -212,6 +212,16 @@ class Metrics:
         for inst in insts:
             add(f"{P}instance_healthy{_labels(instance=inst.url, role=inst.role.value)} "
                 f"{int(inst.up)}\n")
+        add(f"# HELP {P}instance_protocol_version The side-channel protocol versions each "
+            f"instance speaks (bound: min, max), as last seen (its "
+            f"vllm:kvdisagg_protocol_version gauges, a prefill's handoff params); only "
+            f"instances with a version in common are paired. Absent while unknown.\n"
+            f"# TYPE {P}instance_protocol_version gauge\n")
+        for inst in insts:
+            if inst.protocol is not None:
+                for bound, v in (("min", inst.protocol.lo), ("max", inst.protocol.hi)):
+                    add(f"{P}instance_protocol_version"
+                        f"{_labels(instance=inst.url, role=inst.role.value, bound=bound)} {v}\n")
         add(f"# TYPE {P}missing_kv_transfer_params_total counter\n")
         for url, n in sorted(self.missing_kv.items()):
             add(f"{P}missing_kv_transfer_params_total{_labels(instance=url)} {n}\n")

@@ -11,6 +11,10 @@ Failure rules (each retry bounded by ``retry.prefill_attempts`` and logged):
   silent re-prefill on decode; if every try lacks them the client gets 502;
 - 4xx: the client's request is bad: relayed as is, no retry.
 
+Only prefills that speak a side-channel protocol version the request's decode speaks are
+tried (``registry.pairable``); with none, decode computes the prompt itself
+(``no_compatible_prefill``), as with no healthy prefill.
+
 ``timeouts.prefill_s`` bounds a leg, queueing included: vLLM sends the headers only when the
 prefill is done, so no shorter bound would not be a guess.
 """
@@ -25,6 +29,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from aiohttp import web
 
 from kvdisagg.errors import UpstreamError
+from kvdisagg.protocol import Versions
 from kvdisagg.proxy import body as bodies
 from kvdisagg.proxy.legs import (
     RETRYABLE_STATUS,
@@ -35,8 +40,8 @@ from kvdisagg.proxy.legs import (
     outcome_of,
     status_outcome,
 )
-from kvdisagg.proxy.policies import Selection, Verdict
-from kvdisagg.proxy.registry import Instance, Outcome
+from kvdisagg.proxy.policies import InstanceView, Selection, Verdict
+from kvdisagg.proxy.registry import Instance, Outcome, handoff_versions, pairable
 from kvdisagg.proxy.responses import error_body, error_response
 from kvdisagg.proxy.types import Admission, Side
 from kvdisagg.tracing import traceparent_of
@@ -58,6 +63,9 @@ class Prefilled(NamedTuple):
     """Prompt tokens decode computes itself (predicted)."""
     answer: bytes = b""
     """Prefill's whole answer, when its first token may go to the client (first_token.py)."""
+    versions: Versions | None = None
+    """The protocol versions the prefill of ``kv`` speaks (None: unknown); the decode that
+    takes the handoff must speak one of them (decode.py)."""
 
     @property
     def header(self) -> str:
@@ -73,20 +81,25 @@ class PrefillFailed(NamedTuple):
     failure: LegFailure
 
 
-def choose_prefill(s: Serving, ctx: RequestCtx, tried: tuple[Instance, ...] = ()) -> Selection:
+def choose_prefill(s: Serving, ctx: RequestCtx, tried: tuple[Instance, ...] = (),
+                   decode: InstanceView | None = None) -> Selection:
     """The prefill holding the longest cached prefix of the prompt (KV events), weighed with
-    load; without a prediction, the prefill policy's pick."""
-    return s.decider.choose(Side.PREFILL, s.prefill_policy, ctx.body.route,
-                            s.registry.candidates(Side.PREFILL, tried), ctx.hits)
+    load; without a prediction, the prefill policy's pick. ``decode``: the decode chosen for the
+    request: only prefills it can pull from (a protocol version in common)."""
+    cands = s.registry.candidates(Side.PREFILL, tried)
+    if isinstance(decode, Instance):
+        cands = [p for p in cands if pairable(p, decode)]
+    return s.decider.choose(Side.PREFILL, s.prefill_policy, ctx.body.route, cands, ctx.hits)
 
 
 async def prefill(s: Serving, ctx: RequestCtx, first: Selection | None = None,
-                  failed: PrefillFailed | None = None, lead: bool = False
-                  ) -> Prefilled | web.Response:
+                  failed: PrefillFailed | None = None, lead: bool = False,
+                  decode: InstanceView | None = None) -> Prefilled | web.Response:
     """kv_transfer_params from some prefill instance, decode-only, or the client's answer.
     ``first``: the prefill already chosen for the first try (a policy picks once per try);
     ``failed``: a first try that already failed (``first`` then goes unused); ``lead``: keep
-    prefill's answer, with token ids, for its first token (first_token.py)."""
+    prefill's answer, with token ids, for its first token (first_token.py); ``decode``: the
+    decode chosen (None: any), whose protocol versions the prefill must speak."""
     cfg, reg = s.cfg, s.registry
     tried = [failed.instance] if failed is not None else []
     failures = [failed.failure] if failed is not None else []
@@ -96,7 +109,7 @@ async def prefill(s: Serving, ctx: RequestCtx, first: Selection | None = None,
                 and (first.instance is None or first.instance in reg.candidates(Side.PREFILL))):
             sel = first
         else:
-            sel = choose_prefill(s, ctx, tuple(tried))
+            sel = choose_prefill(s, ctx, tuple(tried), decode)
         inst = sel.instance
         if inst is None:
             break
@@ -121,14 +134,16 @@ async def prefill(s: Serving, ctx: RequestCtx, first: Selection | None = None,
         tried.append(inst)
         log.warning("request %s: prefill attempt %d/%d failed: %s", ctx.rid, attempt + 1,
                     cfg.retry.prefill_attempts, res.message)
-    reason = "prefill_failed" if tried else "no_healthy_prefill"
+    reason = ("prefill_failed" if tried else
+              "no_compatible_prefill" if reg.candidates(Side.PREFILL) else "no_healthy_prefill")
     if cfg.retry.decode_only_fallback and not missing_kv:
         log.warning("request %s: serving decode-only (%s)", ctx.rid, reason)
         return Prefilled(None, reason)
     if not failures:
-        return s.reject(503, "no_healthy_prefill", "no healthy prefill instance (and "
-                        "decode-only fallback is off: retry.decode_only_fallback)",
-                        retry_after_s=cfg.health.interval_s)
+        what = ("no prefill instance speaks a protocol version the decode instance speaks"
+                if reason == "no_compatible_prefill" else "no healthy prefill instance")
+        return s.reject(503, reason, f"{what} (and decode-only fallback is off: "
+                        "retry.decode_only_fallback)", retry_after_s=cfg.health.interval_s)
     status = 504 if not missing_kv and all(f.status == 504 for f in failures) else 502
     return error_response(status, "prefill failed: " + "; ".join(f.message for f in failures),
                           "upstream_error")
@@ -173,9 +188,12 @@ async def prefill_leg(s: Serving, ctx: RequestCtx, inst: Instance,
         elapsed = _now() - start
         inst.observe_prefill(elapsed, ctx.body.route.prompt_tokens)
         inst.handoff_params = kv  # what an early handoff from it will look like (early.py)
+        versions = handoff_versions(kv)
+        if versions is not None:  # what it speaks now (it may have been upgraded)
+            inst.protocol = versions
         s.metrics.handoff.observe(elapsed)
         leg.close(Outcome.OK)
-        return Prefilled(kv, answer=data if lead else b"")
+        return Prefilled(kv, answer=data if lead else b"", versions=versions)
     msg = f"prefill {inst.url} returned {status}: {data[:300].decode('utf-8', 'replace')}"
     if 400 <= status < 500 and status not in RETRYABLE_STATUS:
         leg.close(Outcome.OK)  # the instance is fine; the request is not

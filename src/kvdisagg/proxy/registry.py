@@ -15,6 +15,14 @@ proxy's /metrics exports per instance, so a silent recompute is visible where th
 watched; and ``vllm:kvdisagg_retiring``: an instance that is retiring (SIGTERM,
 connector/retire.py) turns DRAINING by itself (no new legs; those in flight finish), and ACTIVE
 again if the same URL later answers without it (a new process).
+
+Protocol versions: the side-channel versions each instance speaks (``Instance.protocol``), as
+its ``vllm:kvdisagg_protocol_version`` and ``..._min`` gauges say at each scrape and, for a
+prefill, as the ``kvdisagg`` params of its last handoff say (``handoff_versions``); the last
+observation stands. ``pairable`` / ``accepts`` tell routing which pairs can move KV, so a fleet
+in the middle of a rolling upgrade pairs only instances with a version in common. An instance
+that says nothing (another connector; a release from before the gauges) is unknown, and
+pairs with every instance, as before.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from collections.abc import Callable
 import msgspec
 
 from kvdisagg.errors import UpstreamError, UpstreamTimeout
+from kvdisagg.protocol import Versions
 from kvdisagg.proxy.breaker import BreakerState, CircuitBreaker
 from kvdisagg.proxy.config import InstanceSpec, ProxyConfig
 from kvdisagg.proxy.types import Role, Side
@@ -82,6 +91,8 @@ class InstanceInfo(msgspec.Struct, kw_only=True):
     recomputed_prompts: dict[str, float]
     prefill_s_per_token: float | None
     tpot_s: float | None
+    protocol: str | None = None
+    """The side-channel protocol versions it speaks (``4..5``), null while unknown."""
 
 
 class Instance:
@@ -121,6 +132,8 @@ class Instance:
         self.handoff_params: bytes | None = None
         self.max_model_len: int | None = None  # from /v1/models, once (first_token.py)
         """Prefill: the kv_transfer_params of its last handoff (early.py builds from them)."""
+        self.protocol: Versions | None = None
+        """The side-channel protocol versions it speaks, as last seen (None: unknown)."""
         self.idle = asyncio.Event()
         self.idle.set()
         self.pool = Pool(self.url)
@@ -190,7 +203,8 @@ class Instance:
             retries={s.value: self.retries[s] for s in sides},
             vllm_waiting=self.vllm_waiting, vllm_running=self.vllm_running,
             recomputed_prompts=dict(self.recomputed),
-            prefill_s_per_token=self.prefill_s_per_token, tpot_s=self.tpot_s)
+            prefill_s_per_token=self.prefill_s_per_token, tpot_s=self.tpot_s,
+            protocol=None if self.protocol is None else str(self.protocol))
 
     # active probes
     def probe_result(self, ok: bool, error: str | None, cfg: ProxyConfig,
@@ -262,6 +276,67 @@ def parse_recomputed(text: bytes) -> dict[str, float]:
             reason = m.group(1).decode("utf-8", "replace")
             out[reason] = out.get(reason, 0.0) + _sample(line)
     return out
+
+
+_PROTOCOL_MAX = b"vllm:kvdisagg_protocol_version"
+_PROTOCOL_MIN = b"vllm:kvdisagg_protocol_version_min"
+
+
+def parse_protocol(text: bytes) -> Versions | None:
+    """The side-channel versions the instance speaks, from its ``vllm:kvdisagg_protocol_version``
+    and ``vllm:kvdisagg_protocol_version_min`` gauges (connector/stats.py VERSION_GAUGES); over
+    several engines, the versions all of them speak. None: it exports neither."""
+    his: list[int] = []
+    los: list[int] = []
+    for line in text.split(b"\n"):
+        if line.startswith(_PROTOCOL_MIN) and line[len(_PROTOCOL_MIN):][:1] in (b"{", b" "):
+            los.append(int(_sample(line)))
+        elif line.startswith(_PROTOCOL_MAX) and line[len(_PROTOCOL_MAX):][:1] in (b"{", b" "):
+            his.append(int(_sample(line)))
+    if not his:
+        return None
+    hi = min(his)
+    return Versions(max(los) if los else hi, hi)
+
+
+class _HandoffExtras(msgspec.Struct):
+    version: int | None = None
+    min_version: int = 0
+
+
+class _HandoffParams(msgspec.Struct):
+    kvdisagg: _HandoffExtras | None = None
+
+
+_handoff = msgspec.json.Decoder(_HandoffParams).decode
+
+
+def handoff_versions(kv: bytes | None) -> Versions | None:
+    """The versions a prefill speaks, from the raw ``kv_transfer_params`` of its handoff (the
+    ``kvdisagg`` key's ``version`` and ``min_version``, protocol.HandoffExtras); None when they
+    do not say (another connector, e.g. NixlConnector)."""
+    if kv is None:
+        return None
+    try:
+        extras = _handoff(kv).kvdisagg
+    except msgspec.DecodeError:  # ValidationError included
+        return None
+    if extras is None or extras.version is None:
+        return None
+    return Versions(extras.min_version or extras.version, extras.version)
+
+
+def accepts(decode: Instance, versions: Versions | None) -> bool:
+    """Whether ``decode`` can pull a handoff of a prefill speaking ``versions``: a version in
+    common, or either side unknown (paired as before versions were exported)."""
+    mine = decode.protocol
+    return mine is None or versions is None or mine.common(versions) is not None
+
+
+def pairable(prefill: Instance, decode: Instance) -> bool:
+    """Whether ``decode`` can pull from ``prefill`` (``accepts``, with prefill's versions as
+    last seen)."""
+    return accepts(decode, prefill.protocol)
 
 
 def parse_retiring(text: bytes) -> bool:
@@ -403,6 +478,8 @@ class Registry:
                     mine = max(mine, inst.in_flight(Side.DECODE))
                     inst.vllm_others = max(0.0, inst.vllm_waiting + inst.vllm_running - mine)
                     inst.recomputed = parse_recomputed(text)
+                    if (versions := parse_protocol(text)) is not None:
+                        inst.protocol = versions
                     self.follow_retiring(inst, parse_retiring(text))
             except UpstreamError:
                 pass

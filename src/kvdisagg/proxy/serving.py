@@ -29,7 +29,14 @@ from kvdisagg.proxy import body as bodies
 from kvdisagg.proxy import early, first_token
 from kvdisagg.proxy.config import ProxyConfig
 from kvdisagg.proxy.decide import CacheView, Decider, Decision, Route
-from kvdisagg.proxy.decode import Opened, finish_body, open_decode, relay_led, relay_stream
+from kvdisagg.proxy.decode import (
+    Opened,
+    finish_body,
+    handoff_decode,
+    open_decode,
+    relay_led,
+    relay_stream,
+)
 from kvdisagg.proxy.first_token import Led
 from kvdisagg.proxy.metrics import Metrics
 from kvdisagg.proxy.policies import Policy, Selection
@@ -203,7 +210,8 @@ class Serving:
             except ValueError:  # ids the index cannot hold: no prediction
                 ctx.hits = {}
         decision = self.decider.decide(ctx.body, ctx.hits, avoid)
-        first = choose_prefill(self, ctx) if decision.route is Route.PD else None
+        first = (choose_prefill(self, ctx, decode=decision.decode.instance)
+                 if decision.route is Route.PD else None)
         # The prompt is being computed where it goes (prefill, or decode alone): until then
         # the index counts it there, so the same prefix arriving meanwhile follows it.
         computing = first.instance if first is not None else decision.decode.instance
@@ -228,6 +236,7 @@ class Serving:
                                      "kvdisagg.reason": decision.reason,
                                      "kvdisagg.cached_tokens": decision.cached_tokens,
                                      "kvdisagg.uncached_tokens": decision.uncached_tokens})
+        decode = decision.decode
         if first is not None:
             opened = (await early.open_early(self, ctx, decision, first)
                       if not avoid and early.wanted(self, ctx) else None)
@@ -236,11 +245,13 @@ class Serving:
             if isinstance(opened, Opened | web.Response):
                 return opened
             pre = await prefill(self, ctx, first, opened,
-                                lead=lead and first_token.wanted(self, ctx.body))
+                                lead=lead and first_token.wanted(self, ctx.body),
+                                decode=decision.decode.instance)
             if isinstance(pre, web.Response):
                 return pre
+            pre, decode = handoff_decode(self, ctx, pre, decode, avoid)
             if pre.answer:
-                led = first_token.lead(self, ctx, pre, decision.decode, avoid)
+                led = first_token.lead(self, ctx, pre, decode, avoid)
                 if led is not None:
                     self._count(decision, pre)
                     return led
@@ -248,7 +259,7 @@ class Serving:
         else:
             pre = Prefilled(None, decision.reason, decision.uncached_tokens)
         self._count(decision, pre)
-        return await open_decode(self, ctx, pre, decision.decode, avoid)
+        return await open_decode(self, ctx, pre, decode, avoid)
 
     def _count(self, decision: Decision, pre: Prefilled) -> None:
         self.metrics.routed("pd" if pre.kv is not None else "decode_only",

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from kvdisagg.errors import ConfigError
+from kvdisagg.protocol import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
     from kvdisagg.config import ConnectorConfig
@@ -65,6 +66,9 @@ class Fetch:
     early: bool = False
     """Sent before prefill computed the handoff: ``remote_block_ids`` is empty and prefill
     serves its blocks from ``first_block`` on, once offered (handoffs.py)."""
+    version: int = PROTOCOL_VERSION
+    """The side-channel protocol version to speak with this prefill: the highest both
+    instances speak (decode's scheduler chose it from the handoff's params, protocol.Versions)."""
 
 
 @dataclass

@@ -5,8 +5,8 @@ msgpack frames, protocol.py) between each decode worker and each prefill worker 
 opened once and kept:
 
     decode                               prefill
-    Hello(layout, geometry,         ->   check (a refusal names what differs); Reply(info)
-          transport, info)               (once per connection; a transport may set up a peer
+    Hello(version, layout,          ->   check (a refusal names what differs); Reply(info)
+          geometry, transport, info)     (once per connection; a transport may set up a peer
                                          here: nccl joins a group)
     Read(handoff, token, blocks,    ->   pin the handoff if the token and blocks are its own
          layers, heads, checksum)   <-   Wait, Wait, ...  (while the handoff is not offered yet)
@@ -35,6 +35,11 @@ Decode's scheduler keeps the handoffs it holds alive over a control connection o
 
 A decode worker keeps a small pool of connections per prefill worker: each pull owns one
 connection from checkout to checkin, so concurrent pulls never share a socket.
+
+Versions: a Hello speaks the version decode's scheduler chose for the handoff (``Fetch.version``:
+the highest both instances speak, protocol.Versions); prefill accepts any version it speaks
+(``protocol_version_override`` narrows that to one, for tests) and refuses others naming its
+range. Pooled connections are kept per version.
 
 Bounds measure liveness, not duration (``Silence``): every wait on the side channel and on the
 data path ends when the peer has been silent for ``transfer_timeout_seconds``, however long the
@@ -78,7 +83,6 @@ from kvdisagg.layout import (
     whole_slices,
 )
 from kvdisagg.protocol import (
-    PROTOCOL_VERSION,
     Checksum,
     Done,
     Hello,
@@ -89,6 +93,7 @@ from kvdisagg.protocol import (
     encode_frame,
     recv_frame,
     send_frame,
+    spoken,
 )
 from kvdisagg.threads import start_thread
 from kvdisagg.tracing import Tracer, now_ns
@@ -136,6 +141,9 @@ class PullPlan(NamedTuple):
     heads: tuple[int, int]
 
 
+_PeerKey = tuple[str, int, int]  # a prefill worker's (host, port) and the version spoken
+
+
 @dataclass
 class _Connection:
     """Decode's side of one side-channel connection (owned by one pull at a time)."""
@@ -160,9 +168,10 @@ class PullTransport:
         self.kv_layout = ""
         self.geometry: KvGeometry | None = None
         self.table = HandoffTable()
+        self.versions = spoken(config.protocol_version_override)  # what prefill accepts
         self._listener: socket.socket | None = None
         self._closed = False
-        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._idle: dict[_PeerKey, list[_Connection]] = {}
         self._conns_lock = threading.Lock()
         self._traces: dict[str, str] = {}  # prefill: handoff -> its traceparent, while held
 
@@ -253,7 +262,7 @@ class PullTransport:
         """``timeout_s`` bounds prefill's silence, not the pull (Silence)."""
         deadline = Silence(timeout_s, f"pull of handoff {fetch.handoff_id} from "
                                       f"{fetch.host}:{fetch.port}")
-        key = (fetch.host, fetch.port)
+        key = (fetch.host, fetch.port, fetch.version)
         # A pooled connection may have died since its last use (prefill restarted): drop the
         # pool and retry once on a fresh connection, before anything was granted.
         for attempt in (0, 1):
@@ -293,7 +302,7 @@ class PullTransport:
             self._drop_idle(key)
 
     # ---- decode side ----------------------------------------------------------------------
-    def _checkout(self, key: tuple[str, int], deadline: Deadline) -> _Connection:
+    def _checkout(self, key: _PeerKey, deadline: Deadline) -> _Connection:
         """An idle pooled connection to ``key``, or a new one: the caller owns it."""
         with self._conns_lock:
             idle = self._idle.get(key)
@@ -301,7 +310,7 @@ class PullTransport:
                 return idle.pop()
         return self._open(key, deadline)
 
-    def _checkin(self, key: tuple[str, int], conn: _Connection) -> None:
+    def _checkin(self, key: _PeerKey, conn: _Connection) -> None:
         with self._conns_lock:
             idle = self._idle.setdefault(key, [])
             if not self._closed and len(idle) < POOLED_PER_PEER:
@@ -309,16 +318,16 @@ class PullTransport:
                 return
         self._close_connection(conn)
 
-    def _drop_idle(self, key: tuple[str, int]) -> None:
+    def _drop_idle(self, key: _PeerKey) -> None:
         with self._conns_lock:
             idle = self._idle.pop(key, [])
         for conn in idle:
             self._close_connection(conn)
 
-    def _open(self, key: tuple[str, int], deadline: Deadline) -> _Connection:
-        host, port = key
+    def _open(self, key: _PeerKey, deadline: Deadline) -> _Connection:
+        host, port, version = key
         try:
-            sock = socket.create_connection(key, timeout=deadline.left())
+            sock = socket.create_connection((host, port), timeout=deadline.left())
         except TransferTimeout:
             raise
         except OSError as exc:
@@ -328,8 +337,9 @@ class PullTransport:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(deadline.left())
-            send_frame(sock, Hello(kv_layout=self.kv_layout, transport=self.name,
-                                   info=self.client_info(), geometry=self.geometry))
+            send_frame(sock, Hello(version=version, kv_layout=self.kv_layout,
+                                   transport=self.name, info=self.client_info(),
+                                   geometry=self.geometry))
             reply = recv_frame(sock)
             if not isinstance(reply, Reply):
                 raise TransferFailed(f"prefill {host}:{port} answered Hello with {reply!r}")
@@ -534,8 +544,10 @@ class PullTransport:
     def _check_hello(self, msg: object) -> str:
         if not isinstance(msg, Hello):
             return f"expected Hello, got {type(msg).__name__}"
-        if msg.version != PROTOCOL_VERSION:
-            return f"protocol version {msg.version} != prefill's {PROTOCOL_VERSION}"
+        if not self.versions.lo <= msg.version <= self.versions.hi:
+            return (f"protocol version {msg.version}: prefill speaks {self.versions} (an "
+                    "instance of another release: the proxy pairs only instances with a "
+                    "version in common, docs/operations.md#rolling-upgrades)")
         if msg.transport != self.name:
             return f"transport {msg.transport!r} != prefill's {self.name!r}"
         if msg.kv_layout != self.kv_layout:

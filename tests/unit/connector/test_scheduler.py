@@ -23,7 +23,7 @@ from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
 from kvdisagg.connector.metadata import DisaggWorkerMeta, WorkerHandshake
-from kvdisagg.protocol import RemotePrefill
+from kvdisagg.protocol import SPOKEN, RemotePrefill, Versions
 from tests.support.vllm_harness import (
     HANDSHAKE_PORT,
     KV_LAYOUT,
@@ -1051,3 +1051,63 @@ def test_decode_early_params_load_by_position_the_whole_prompt(make, hit):
     assert d.step().scheduled == {req.request_id: 1}  # the last prompt token, computed here
     d.drain()
     d.assert_no_leak()
+
+
+# ---- protocol versions (rolling upgrades) ----------------------------------------------------
+
+
+@pytest.mark.parametrize("theirs, override, early, version", [
+    ((4, 5), None, False, 5),
+    ((4, 4), None, False, 4),  # a prefill of the previous release
+    ((5, 6), None, False, 5),  # ... of the next one, which still speaks 5
+    ((6, 6), None, False, None),
+    ((4, 5), 4, False, 4),  # this decode announces 4 only (protocol_version_override)
+    ((4, 5), 6, False, None),
+    ((4, 4), None, True, None),  # an early handoff needs 5 on both sides
+])
+def test_decode_speaks_the_highest_version_in_common_with_the_prefill(make, theirs, override,
+                                                                      early, version):
+    """The version goes to the worker's pull (LoadSpec) and the lease renewals (Held); params
+    of a prefill with none in common are unusable: the load fails at once (the request
+    recomputed under that policy, counted invalid_params) and no lease is held."""
+    h = make("kv_consumer", kv_load_failure_policy="recompute",
+             extra_config={} if override is None else {"protocol_version_override": override})
+    params = remote_prefill_params(h, 40)
+    params["kvdisagg"] |= {"min_version": theirs[0], "version": theirs[1], "early": early}
+    if early:
+        params |= {"remote_block_ids": [], "remote_num_tokens": 0}
+    req = h.add_request(40, kv_transfer_params=params, max_tokens=2)
+    rid = req.request_id
+    held = h.side.leases.held()
+    s = h.step()
+    (load,) = s.meta.loads
+    if version is None:
+        assert held == {}
+        assert "early handoff needs protocol 5" in load.error if early else (
+            f"speaks side-channel protocol {Versions(*theirs)}, this decode "
+            f"{Versions(override, override) if override else SPOKEN}: no version in common"
+            in load.error), load.error
+        h.step(failed_recving={rid})
+    else:
+        assert not load.error and load.version == version
+        assert held[rid].version == version
+        h.step(finished_recving={rid})
+    h.drain()
+    assert h.final_output(rid).finish_reason == FinishReason.LENGTH
+    assert recomputed(h) == ({} if version else {"invalid_params": 1})
+    h.assert_no_leak()
+
+
+@pytest.mark.parametrize("override", [None, 7])
+def test_prefill_says_in_its_handoff_params_which_versions_it_speaks(make, override):
+    h = make("kv_producer",
+             extra_config={} if override is None else {"protocol_version_override": override})
+    req = h.add_request(40, kv_transfer_params=dict(REMOTE_DECODE), max_tokens=1)
+    rid = req.request_id
+    s = h.step()
+    extras = s.output(rid).kv_transfer_params["kvdisagg"]
+    want = SPOKEN if override is None else Versions(override, override)
+    assert (extras["min_version"], extras["version"]) == want
+    h.step()
+    h.step(finished_sending={rid})
+    h.assert_no_leak()

@@ -28,3 +28,28 @@ def test_recomputed_counts_aggregate_and_reduce():
     assert not b.is_empty()
     a.aggregate(b)
     assert a.reduce()["recomputed_load_failed"] == 2 and a.reduce()["recomputed_not_read"] == 1
+
+
+def test_the_instance_exports_the_protocol_versions_it_speaks_as_the_proxy_reads_them():
+    """Set when vLLM's API server builds the metrics (before any step): a new process's first
+    scrape has them. Rendered by prometheus_client as vLLM does, read by the proxy's parser."""
+    import functools
+    import types
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from kvdisagg.connector.stats import DisaggPromMetrics
+    from kvdisagg.protocol import SPOKEN, Versions
+    from kvdisagg.proxy.registry import parse_protocol
+
+    for extra, want in (({}, SPOKEN), ({"protocol_version_override": 9}, Versions(9, 9))):
+        registry = CollectorRegistry()
+        types_ = {cls: functools.partial(cls, registry=registry)
+                  for cls in (Gauge, Counter, Histogram)}
+        config = types.SimpleNamespace(kv_transfer_config=types.SimpleNamespace(
+            kv_connector_extra_config=extra))
+        DisaggPromMetrics(config, types_, ["model_name", "engine"],
+                          {0: ["tiny", "0"], 1: ["tiny", "1"]})
+        text = generate_latest(registry)
+        assert b'vllm:kvdisagg_protocol_version{engine="1",model_name="tiny"}' in text
+        assert parse_protocol(text) == want

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvdisagg.proxy.app import SERVING
-from kvdisagg.proxy.config import DecisionConfig, SloConfig
+from kvdisagg.proxy.config import DecisionConfig, HealthConfig, RetryConfig, SloConfig
 from kvdisagg.proxy.prefix_index import Lookup, Pending
 from kvdisagg.proxy.types import Side
 from tests.support.proxy_harness import metric, proxy, run, until
@@ -289,4 +289,129 @@ def test_a_prompt_is_noted_where_it_is_computed_until_shortly_after(monkeypatch)
                 assert (await sent).status == 200
                 assert cache.pending == [url]  # still, for the events to come
                 await until(lambda: cache.pending == [], "dropped")
+    run(t())
+
+
+# ---- protocol versions: a fleet in the middle of a rolling upgrade ---------------------------
+
+
+async def versions_known(env: Any, **want: tuple[int, int] | None) -> None:
+    """Until the proxy's probes found each named fake's versions (``env.urls`` names)."""
+    from kvdisagg.proxy.app import REGISTRY
+
+    reg = env.client.server.app[REGISTRY]
+    for name, versions in want.items():
+        await until(lambda url=env.urls[name], v=versions: reg.get(url).protocol == v,
+                    f"{name}'s protocol versions {versions}")
+
+
+def test_a_prefill_speaking_no_version_of_decode_is_never_paired_and_every_request_served(
+        ) -> None:
+    """p1 runs the next release (6 only), p0 and d0 this one (4..5): every request goes to p0,
+    whatever the prefill policy's turn; none reaches p1, none fails on decode."""
+    async def t() -> None:
+        async with proxy(n_prefill=2) as env:  # round robin on each side
+            (p0, p1), d0 = env.prefill, env.decode[0]
+            for fake, versions in ((p0, (4, 5)), (p1, (6, 6)), (d0, (4, 5))):
+                fake.protocol, fake.full_kv = versions, True
+            await versions_known(env, p0=(4, 5), p1=(6, 6), d0=(4, 5))
+            for i in range(6):
+                r = await env.client.post("/v1/completions", json={
+                    "model": "tiny", "prompt": [5] * 100, "max_tokens": 2, "stream": i % 2 == 1})
+                assert r.status == 200 and r.headers["X-Kvdisagg-Handoff"] == "pd"
+                await r.read()
+            assert len(p0.seen) == 6 and p1.seen == [] and d0.incompatible == 0
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_routed_total", route="pd") == 6
+            assert metric(text, "kvdisagg_proxy_instance_protocol_version",
+                          instance=env.urls["p1"], role="prefill", bound="min") == 6
+            assert metric(text, "kvdisagg_proxy_instance_protocol_version",
+                          instance=env.urls["d0"], role="decode", bound="max") == 5
+            r = await env.admin.get("/admin/list")
+            listed = {i["url"]: i["protocol"] for i in (await r.json())["instances"]}
+            assert listed[env.urls["p1"]] == "6" and listed[env.urls["d0"]] == "4..5"
+    run(t())
+
+
+def test_the_decode_chosen_is_one_some_prefill_speaks_with() -> None:
+    """d0 was upgraded first to a release that dropped 5 (6 only), the prefill still speaks
+    4..5: the handoff goes to d1, whichever decode the policy would pick; d0 still serves what
+    decode serves alone."""
+    async def t() -> None:
+        async with proxy(n_decode=2, decision=DecisionConfig(local_prefill_tokens=64)) as env:
+            p0, (d0, d1) = env.prefill[0], env.decode
+            for fake, versions in ((p0, (4, 5)), (d0, (6, 6)), (d1, (4, 5))):
+                fake.protocol, fake.full_kv = versions, True
+            await versions_known(env, p0=(4, 5), d0=(6, 6), d1=(4, 5))
+            for _ in range(4):
+                r = await env.client.post("/v1/completions", json={
+                    "model": "tiny", "prompt": [5] * 100, "max_tokens": 2})
+                assert r.status == 200 and r.headers["X-Kvdisagg-Handoff"] == "pd"
+            assert d0.seen == [] and len(d1.seen) == 4 and d1.incompatible == 0
+            for _ in range(2):
+                r = await env.client.post("/v1/completions", json={
+                    "model": "tiny", "prompt": [5] * 8, "max_tokens": 2})
+                assert r.headers["X-Kvdisagg-Handoff"] == "decode_only:short_prompt"
+            assert len(d0.seen) == 1
+    run(t())
+
+
+def test_with_no_pair_in_common_decode_serves_alone_counted_or_503_without_the_fallback() -> None:
+    async def t(fallback: bool) -> None:
+        async with proxy(retry=RetryConfig(decode_only_fallback=fallback)) as env:
+            p0, d0 = env.prefill[0], env.decode[0]
+            p0.protocol, d0.protocol = (6, 6), (4, 5)
+            await versions_known(env, p0=(6, 6), d0=(4, 5))
+            r = await env.client.post("/v1/completions", json={
+                "model": "tiny", "prompt": [5] * 100, "max_tokens": 2})
+            text = await env.metrics()
+            if fallback:
+                assert r.status == 200
+                assert r.headers["X-Kvdisagg-Handoff"] == "decode_only:no_compatible_prefill"
+                assert metric(text, "kvdisagg_proxy_routed_total", route="decode_only",
+                              reason="no_compatible_prefill") == 1
+                assert "kv_transfer_params" not in d0.seen[0]["body"]
+            else:
+                assert r.status == 503
+                assert "no prefill instance speaks a protocol version" in await r.text()
+                assert metric(text, "kvdisagg_proxy_rejected_total",
+                              reason="no_compatible_prefill") == 1
+            assert p0.seen == []
+    run(t(True))
+    run(t(False))
+
+
+def test_a_handoff_from_a_prefill_whose_versions_were_stale_goes_to_a_decode_that_speaks_them(
+        ) -> None:
+    """Without metrics (``health.scrape_metrics`` off) the proxy learns a prefill's versions
+    from its handoff params only: the first handoff of p0, upgraded to 6, goes to d1 (6) rather
+    than the chosen d0 (4..5), and so does every later one; with no decode left that speaks 6,
+    decode computes the prompt itself (``no_compatible_decode``)."""
+    from kvdisagg.protocol import Versions
+    from kvdisagg.proxy.app import REGISTRY
+
+    async def t() -> None:
+        async with proxy(n_decode=2, health=HealthConfig(interval_s=0.2, timeout_s=0.5,
+                                             startup_timeout_s=2.0, scrape_metrics=False)) as env:
+            reg = env.client.server.app[REGISTRY]
+            p0, (d0, d1) = env.prefill[0], env.decode
+            p0.protocol, p0.full_kv = (6, 6), True
+            d0.protocol, d1.protocol = (4, 5), (6, 6)
+            reg.get(env.urls["d0"]).protocol = Versions(4, 5)  # as a scrape had said
+            reg.get(env.urls["d1"]).protocol = Versions(6, 6)
+            for _ in range(3):
+                r = await env.client.post("/v1/completions", json={
+                    "model": "tiny", "prompt": [5] * 100, "max_tokens": 2})
+                assert r.status == 200 and r.headers["X-Kvdisagg-Handoff"] == "pd"
+            assert d0.seen == [] and len(d1.seen) == 3 and d1.incompatible == 0
+            assert reg.get(env.urls["p0"]).protocol == Versions(6, 6)
+            reg.get(env.urls["d1"]).protocol = Versions(4, 5)  # downgraded, say
+            reg.get(env.urls["p0"]).protocol = Versions(4, 5)  # stale again
+            r = await env.client.post("/v1/completions", json={
+                "model": "tiny", "prompt": [5] * 100, "max_tokens": 2})
+            assert r.status == 200
+            assert r.headers["X-Kvdisagg-Handoff"] == "decode_only:no_compatible_decode"
+            assert metric(await env.metrics(), "kvdisagg_proxy_routed_total",
+                          route="decode_only", reason="no_compatible_decode") == 1
+            assert d0.incompatible == d1.incompatible == 0
     run(t())

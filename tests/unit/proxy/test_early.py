@@ -129,3 +129,24 @@ def test_a_request_not_sent_early_keeps_the_prefill_policys_turn() -> None:
                 assert await _send(env) == (200, "pd")
             assert [len(p.seen) for p in env.prefill] == [2, 2]
     run(t())
+
+
+def test_no_early_dispatch_for_a_pair_that_speaks_only_a_version_before_early_handoffs() -> None:
+    """A prefill of the previous release (4 only) and a decode of this one: they pair, over
+    4, which has no early handoffs: the ordinary handoff, every time."""
+    from kvdisagg.proxy.app import REGISTRY
+
+    async def t() -> None:
+        async with proxy(decision=EARLY_ON) as env:
+            prefill, decode = env.prefill[0], env.decode[0]
+            prefill.full_kv, prefill.protocol, decode.protocol = True, (4, 4), (4, 5)
+            reg = env.client.server.app[REGISTRY]
+            await until(lambda: reg.get(env.urls["p0"]).protocol is not None
+                        and reg.get(env.urls["d0"]).protocol is not None, "versions probed")
+            for _ in range(3):
+                assert await _send(env) == (200, "pd")
+            assert all("kvdisagg_early" not in s["body"]["kv_transfer_params"]
+                       for s in prefill.seen)
+            assert decode.incompatible == 0
+            assert metric(await env.metrics(), "kvdisagg_proxy_early_handoffs_total") == 0
+    run(t())

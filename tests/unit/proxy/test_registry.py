@@ -25,3 +25,24 @@ def test_the_registry_tells_its_listeners_of_members() -> None:
             assert heard == [(MemberEvent.ADDED, inst.url), (MemberEvent.RECOVERED, inst.url),
                              (MemberEvent.REMOVED, inst.url)]
     run(t())
+
+
+def test_an_instances_protocol_versions_from_its_gauges_and_from_handoff_params() -> None:
+    from kvdisagg.protocol import Versions
+    from kvdisagg.proxy.registry import handoff_versions, parse_protocol
+
+    both = (b'# HELP vllm:kvdisagg_protocol_version The newest ...\n'
+            b'vllm:kvdisagg_protocol_version{engine="0",model_name="m"} 5.0\n'
+            b'vllm:kvdisagg_protocol_version_min{engine="0",model_name="m"} 4.0\n')
+    assert parse_protocol(both) == Versions(4, 5)
+    # Engines of one instance (data parallel) that differ: what all of them speak.
+    assert parse_protocol(both + b'vllm:kvdisagg_protocol_version{engine="1"} 6.0\n'
+                          b'vllm:kvdisagg_protocol_version_min{engine="1"} 5.0\n') == \
+        Versions(5, 5)
+    assert parse_protocol(b"vllm:kvdisagg_protocol_version 6.0\n") == Versions(6, 6)
+    assert parse_protocol(b'vllm:num_requests_waiting{engine="0"} 0.0\n') is None
+    assert handoff_versions(b'{"kvdisagg": {"version": 6, "min_version": 4, "token": "t"}}') \
+        == Versions(4, 6)
+    assert handoff_versions(b'{"kvdisagg": {"version": 5}}') == Versions(5, 5)
+    for unknown in (None, b'{"remote_host": "h"}', b"not json", b'{"kvdisagg": 3}'):
+        assert handoff_versions(unknown) is None

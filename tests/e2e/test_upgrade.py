@@ -1,0 +1,173 @@
+"""A fleet in the middle of a rolling upgrade, on real vLLM (docs/operations.md "Rolling
+upgrades"): prefill 0 and the decode of this release (side-channel protocol MIN..PROTOCOL_VERSION),
+prefill 1 announcing only the next release's version (``protocol_version_override``, a test
+setting: it speaks no version the decode speaks). 2P1D.
+
+Every request succeeds, token-identical to a plain instance (the session's); each one's KV moved
+(decode's pull counter), from prefill 0 only: the proxy never pairs prefill 1 with the decode.
+A proxy whose only prefill is prefill 1 lets decode serve every request alone, counted as
+``no_compatible_prefill``, and still answers as the plain instance does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from kvdisagg.local.fleet import Fleet
+from kvdisagg.local.servers import free_port
+from kvdisagg.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
+
+from .conftest import LOG_DIR, completion_tokens, metric, post, prompt_ids, wait_handoffs_freed
+
+pytestmark = pytest.mark.e2e
+
+NEXT = PROTOCOL_VERSION + 1  # what prefill 1 announces: a release this decode cannot speak to
+REQUESTS = 8
+
+
+@pytest.fixture(scope="module")
+def fleet(model):
+    fleet = Fleet(model, LOG_DIR / "upgrade", prefills=2,
+                  prefill_extras=[None, {"protocol_version_override": NEXT}])
+    with fleet:
+        yield fleet
+
+
+def bodies(seed: int, n: int) -> list[dict[str, Any]]:
+    """Long prompts (disaggregated whatever the decision), streamed and not."""
+    return [{"model": "tiny", "prompt": prompt_ids(300 + 50 * (i % 3), seed=seed + i),
+             "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+             "stream": i % 2 == 1}
+            for i in range(n)]
+
+
+def expected_tokens(url: str, items: list[dict[str, Any]]) -> list[list[int]]:
+    """What a plain instance answers (no DisaggConnector)."""
+    out = []
+    for body in items:
+        status, reply = post(url + "/v1/completions", {**body, "stream": False}, timeout=300)
+        assert status == 200, reply
+        out.append(reply["choices"][0]["token_ids"])
+    return out
+
+
+def wait_for(what: str, cond: Any, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s:.0f}s: {what}")
+        time.sleep(0.25)
+
+
+def wait_versions_known(proxy_url: str, want: dict[str, tuple[int, int]]) -> None:
+    """Until the proxy's probes read each instance's protocol versions (its /metrics)."""
+    for url, (lo, hi) in want.items():
+        wait_for(f"the proxy knows {url} speaks {lo}..{hi}", lambda url=url, lo=lo, hi=hi: (
+            metric(proxy_url, "kvdisagg_proxy_instance_protocol_version",
+                   instance=url, bound="min") == lo
+            and metric(proxy_url, "kvdisagg_proxy_instance_protocol_version",
+                       instance=url, bound="max") == hi))
+
+
+def pulls(fleet) -> float:
+    return metric(fleet.decode.base_url, "vllm:kvdisagg_pulls_total")
+
+
+@contextlib.contextmanager
+def proxy_of(fleet, prefills: list[str], name: str) -> Iterator[str]:
+    """Another ``kvdisagg proxy`` in front of ``prefills`` and the fleet's decode (each request
+    through prefill, as the fleet's own); its log is ``<name>.log``. Yields its URL."""
+    port = free_port()
+    with open(fleet.log_dir / f"{name}.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvdisagg.cli", "proxy", "--prefill", *prefills,
+             "--decode", fleet.decode.base_url, "--host", "127.0.0.1", "--port", str(port),
+             "--always-disaggregate"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        fleet.wait_proxy_ready(url=url)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_each_instance_announces_the_versions_it_speaks(fleet):
+    """On its own /metrics, from start (no request needed): what the proxy reads."""
+    for server, (lo, hi) in ((fleet.prefills[0], (MIN_PROTOCOL_VERSION, PROTOCOL_VERSION)),
+                             (fleet.prefills[1], (NEXT, NEXT)),
+                             (fleet.decode, (MIN_PROTOCOL_VERSION, PROTOCOL_VERSION))):
+        assert metric(server.base_url, "vllm:kvdisagg_protocol_version_min") == lo, server
+        assert metric(server.base_url, "vllm:kvdisagg_protocol_version") == hi, server
+
+
+@pytest.mark.timeout(900)
+def test_a_mixed_fleet_serves_every_request_pairing_only_instances_that_speak_together(
+        fleet, plain):
+    current, upgraded = fleet.prefills
+    wait_versions_known(fleet.proxy_url, {
+        current.base_url: (MIN_PROTOCOL_VERSION, PROTOCOL_VERSION), upgraded.base_url: (NEXT, NEXT),
+        fleet.decode.base_url: (MIN_PROTOCOL_VERSION, PROTOCOL_VERSION)})
+    items = bodies(7000, REQUESTS)
+    expected = expected_tokens(plain, items)
+    pulls0 = pulls(fleet)
+    offered0 = [metric(p.base_url, "vllm:kvdisagg_handoffs_offered_total")
+                for p in fleet.prefills]
+    legs0 = [metric(fleet.proxy_url, "kvdisagg_proxy_instance_requests_total",
+                    instance=p.base_url, side="prefill") for p in fleet.prefills]
+    routed0 = metric(fleet.proxy_url, "kvdisagg_proxy_routed_total", route="pd")
+
+    with ThreadPoolExecutor(4) as pool:  # prefill's round robin would alternate the two
+        results = list(pool.map(lambda b: completion_tokens(fleet.proxy_url, b, 300), items))
+    assert results == [("ok", e) for e in expected]
+
+    # Each request's KV moved from prefill 0; prefill 1 never got a leg, never offered KV.
+    wait_for("every KV pulled", lambda: pulls(fleet) - pulls0 >= REQUESTS)
+    assert pulls(fleet) - pulls0 == REQUESTS
+    assert metric(fleet.decode.base_url, "vllm:kvdisagg_pull_failures_total") == 0
+    assert metric(fleet.decode.base_url, "vllm:kvdisagg_recomputed_prompts_total") == 0
+    assert metric(fleet.proxy_url, "kvdisagg_proxy_routed_total", route="pd") - routed0 \
+        == REQUESTS
+    legs = [metric(fleet.proxy_url, "kvdisagg_proxy_instance_requests_total",
+                   instance=p.base_url, side="prefill") - before
+            for p, before in zip(fleet.prefills, legs0)]
+    assert legs == [REQUESTS, 0]
+    offered = [metric(p.base_url, "vllm:kvdisagg_handoffs_offered_total") - before
+               for p, before in zip(fleet.prefills, offered0)]
+    assert offered == [REQUESTS, 0]
+    offered_total, freed = wait_handoffs_freed(current.base_url)
+    assert offered_total == freed
+
+
+@pytest.mark.timeout(900)
+def test_with_no_prefill_in_common_decode_serves_alone_counted(fleet, plain):
+    """The decode's only prefill announces a version it does not speak: no request goes to
+    that prefill (a handoff could not be pulled); decode computes each one, as the plain
+    instance answers it, and the proxy counts why."""
+    upgraded = fleet.prefills[1]
+    items = bodies(8000, 4)
+    expected = expected_tokens(plain, items)
+    pulls0 = pulls(fleet)
+    offered0 = metric(upgraded.base_url, "vllm:kvdisagg_handoffs_offered_total")
+    with proxy_of(fleet, [upgraded.base_url], "proxy-upgraded-only") as url:
+        wait_versions_known(url, {upgraded.base_url: (NEXT, NEXT), fleet.decode.base_url:
+                                  (MIN_PROTOCOL_VERSION, PROTOCOL_VERSION)})
+        results = [completion_tokens(url, b, 300) for b in items]
+        assert results == [("ok", e) for e in expected]
+        assert metric(url, "kvdisagg_proxy_routed_total", route="decode_only",
+                      reason="no_compatible_prefill") == len(items)
+        assert metric(url, "kvdisagg_proxy_instance_requests_total",
+                      instance=upgraded.base_url, side="prefill") == 0
+    assert pulls(fleet) == pulls0
+    assert metric(upgraded.base_url, "vllm:kvdisagg_handoffs_offered_total") == offered0
