@@ -96,7 +96,8 @@ class PeerProcess:
                  stage_blocks: int = 0, shard: tuple[Sequence[int], Sequence[int], int] | None
                  = None, rank: int = 0, shape: Shape = Shape(1), model_layers: int = 2) -> None:
         """``shard``: (layers, heads, the model's KV heads) of rank ``rank`` of an instance of
-        ``shape`` (``model_kv`` of a model of ``model_layers``); None: ``kv_caches``."""
+        ``shape`` (``model_kv`` of a model of ``model_layers``); None: ``kv_caches``. The
+        transport registers as ``rank`` either way (its ports are the configured ones + rank)."""
         args = []
         if shard is not None:
             layers, heads, kv_heads = shard
@@ -107,8 +108,6 @@ class PeerProcess:
                 ",".join(map(str, heads)),
                 "--kv-heads",
                 str(kv_heads),
-                "--rank",
-                str(rank),
                 "--model-layers",
                 str(model_layers),
                 "--shape",
@@ -118,7 +117,7 @@ class PeerProcess:
             [sys.executable, "-m", "tests.support.transport_peer", "--transport", transport,
              "--config", json.dumps(extra), "--seed", str(seed), "--blocks", str(blocks),
              "--block-shape", ",".join(map(str, block_shape)),
-             "--stage-blocks", str(stage_blocks), *args],
+             "--stage-blocks", str(stage_blocks), "--rank", str(rank), *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             cwd=Path(__file__).resolve().parents[2])
         self.port = self._read()["port"]

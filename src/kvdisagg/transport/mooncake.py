@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
+from kvdisagg.config import MOONCAKE_MAX_PORT, MOONCAKE_PORTS_PER_RANK, rank_port
 from kvdisagg.errors import ConfigError, IncompatiblePeerError, TransferFailed
 from kvdisagg.layout import LayerRegion, Slice
 from kvdisagg.transport.pull import Deadline, PullPlan, PullTransport
@@ -48,22 +49,65 @@ def rdma_devices() -> list[str]:
         return []
 
 
+def bound_ports(base: int, rank: int) -> tuple[int, int] | None:
+    """Rank ``rank``'s engine ports when ``mooncake_port`` is ``base`` (None: 0, Mooncake's own
+    range), set as the range Mooncake draws its ports from.
+
+    The only bound the engine takes: ``initialize`` has no port argument (a ``host:port`` is
+    honoured only with a metadata server and ``MC_LEGACY_RPC_PORT_BINDING``); the engine draws
+    its RPC/handshake port, and over TCP its data port, at random within ``MC_MIN_RPC_PORT``
+    .. ``MC_MAX_RPC_PORT``, which it reads once, when ``mooncake.engine`` loads (checked with
+    0.3.13). So this runs before that import, in each worker's own process.
+    """
+    first = rank_port("mooncake_port", base, rank, MOONCAKE_PORTS_PER_RANK, MOONCAKE_MAX_PORT)
+    if not first:
+        return None
+    last = first + MOONCAKE_PORTS_PER_RANK - 1
+    os.environ["MC_MIN_RPC_PORT"], os.environ["MC_MAX_RPC_PORT"] = str(first), str(last)
+    return first, last
+
+
+def check_devices(device: str, present: Sequence[str], rank: int) -> None:
+    """Refuse ``rdma`` without the devices it names (or without any): Mooncake (0.3.13) then
+    initializes all the same and moves KV over TCP without a word."""
+    if not present:
+        raise ConfigError("mooncake_protocol=rdma but /sys/class/infiniband lists no RDMA "
+                          "device: set mooncake_protocol to tcp (or auto), or load the NIC's "
+                          "driver")
+    missing = [d for d in device.split(",") if d and d not in present]
+    if missing:
+        raise ConfigError(f"mooncake_device: rank {rank}'s {', '.join(missing)} not in "
+                          f"/sys/class/infiniband (found: {', '.join(present) or 'none'})")
+
+
 class MooncakeTransport(PullTransport):
     name: ClassVar[str] = "mooncake"
 
     def attach(self, regions: Sequence[LayerRegion], is_producer: bool) -> None:
-        from mooncake.engine import TransferEngine
+        ports = bound_ports(self.config.mooncake_port, self.rank)
+        from mooncake.engine import TransferEngine  # after bound_ports: it reads them on load
 
         protocol = self.config.mooncake_protocol
         if protocol == "auto":
             protocol = "rdma" if rdma_devices() else "tcp"
+        device = self.config.mooncake_device_of(self.rank)
+        if protocol == "rdma":
+            check_devices(device, rdma_devices(), self.rank)
         self.engine = TransferEngine()
         rc = self.engine.initialize(self.config.side_channel_host,
-                                    self.config.mooncake_metadata_server, protocol,
-                                    self.config.mooncake_device)
+                                    self.config.mooncake_metadata_server, protocol, device)
         if rc != 0:
+            within = f", ports {ports[0]}-{ports[1]} (mooncake_port): are they free?" \
+                if ports else ""
             raise ConfigError(f"mooncake: TransferEngine.initialize({protocol!r}, device "
-                              f"{self.config.mooncake_device!r}) returned {rc}")
+                              f"{device!r}{within}) returned {rc}")
+        rpc_port = self.engine.get_rpc_port()
+        if ports and not ports[0] <= rpc_port <= ports[1]:
+            raise ConfigError(
+                f"mooncake_port={self.config.mooncake_port}: rank {self.rank}'s engine listens "
+                f"on {rpc_port}, not within {ports[0]}-{ports[1]}: mooncake.engine was loaded "
+                "in this process before (it reads MC_MIN_RPC_PORT/MC_MAX_RPC_PORT once, when "
+                "it loads), so this worker cannot bound its ports")
         self.protocol = protocol
         self.reads = JoinedReads(self.engine)
         self._registered: list[int] = []
@@ -74,7 +118,7 @@ class MooncakeTransport(PullTransport):
             self._registered.append(addr)
         # This worker's memory: what prefill advertises, and how decode addresses its own side.
         self._memory = MemoryInfo(
-            endpoint=f"{self.config.side_channel_host}:{self.engine.get_rpc_port()}",
+            endpoint=f"{self.config.side_channel_host}:{rpc_port}",
             bases=[r.pages.data_ptr() for r in regions],
             page_bytes=[r.page_bytes for r in regions],
             num_blocks=[r.num_blocks for r in regions],

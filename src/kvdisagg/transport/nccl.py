@@ -2,9 +2,11 @@
 
 One two-rank group per side-channel connection, i.e. per (prefill worker, decode worker) pair:
 prefill is rank 0 and hosts the rendezvous (a TCPStore on its side-channel address, one per
-worker, a fresh prefix per group); decode joins as rank 1 right after the Hello reply. The
-group lives as long as the connection and is dropped with it, so a peer that goes away takes its
-group along. vLLM's default group is never touched.
+worker, on ``nccl_store_port`` + rank or a free port, a fresh prefix per group); decode joins
+as rank 1 right after the Hello reply. The group lives as long as the connection and is dropped
+with it, so a peer that goes away takes its group along. vLLM's default group is never touched.
+The group's own connections (gloo's pair, NCCL's bootstrap and socket transport) use ports the
+OS picks: docs/operations.md#fabric says what a firewall must allow.
 
 ``ProcessGroupNCCL`` when the KV cache is on CUDA, ``ProcessGroupGloo`` on CPU: the same code,
 tested on CPU with gloo. The side channel runs one pull at a time per connection, so the
@@ -63,7 +65,8 @@ import torch
 import torch.distributed as dist
 
 from kvdisagg.compat._torch import pair_group
-from kvdisagg.errors import IncompatiblePeerError, TransferFailed, TransferTimeout
+from kvdisagg.config import rank_port
+from kvdisagg.errors import ConfigError, IncompatiblePeerError, TransferFailed, TransferTimeout
 from kvdisagg.layout import CopyRun, LayerRegion, Slice
 from kvdisagg.transport.pull import Deadline, PullPlan, PullTransport
 
@@ -193,19 +196,37 @@ class NcclTransport(PullTransport):
         self.sync = CudaSync(device) if device.type == "cuda" else HostSync()
         self._store: dist.TCPStore | None = None
         if is_producer:
-            self._store = dist.TCPStore(self.config.side_channel_host, 0, None, True,
-                                        timeout=_timedelta(self.config.transfer_timeout_seconds),
-                                        wait_for_workers=False)
+            self._store = self._open_store()
+
+    def _open_store(self) -> dist.TCPStore:
+        """Prefill's rendezvous: on ``nccl_store_port`` + rank (a free port when 0), bound to
+        ``side_channel_host`` alone. TCPStore binds every interface when it opens its socket
+        itself, so it is handed one opened here (``master_listen_fd``; it closes it)."""
+        host, base = self.config.side_channel_host, self.config.nccl_store_port
+        port = rank_port("nccl_store_port", base, self.rank)
+        try:
+            sock = socket.create_server((host, port), backlog=64, family=(
+                socket.AF_INET6 if ":" in host else socket.AF_INET))
+        except OSError as exc:
+            raise ConfigError(f"nccl_store_port={base}: rank {self.rank} cannot listen on "
+                              f"{host}:{port}: {exc}") from None
+        port = sock.getsockname()[1]
+        return dist.TCPStore(host, port, None, True,
+                             timeout=_timedelta(self.config.transfer_timeout_seconds),
+                             wait_for_workers=False, master_listen_fd=sock.detach())
+
+    def _live_store(self) -> dist.TCPStore:
+        if self._store is None:  # a connection still being served after close()
+            raise TransferFailed("nccl: this worker's transport is closed")
+        return self._store
 
     def server_info(self) -> dict[str, Any]:
-        assert self._store is not None
         return msgspec.to_builtins(GroupInfo(
-            store_host=self.config.side_channel_host, store_port=self._store.port,
+            store_host=self.config.side_channel_host, store_port=self._live_store().port,
             group=secrets.token_hex(8), backend=self.backend))
 
     def open_server(self, sock: socket.socket, info: dict[str, Any], sent: dict[str, Any]) -> Any:
-        assert self._store is not None
-        return self._group(dist.PrefixStore(sent["group"], self._store), rank=0,
+        return self._group(dist.PrefixStore(sent["group"], self._live_store()), rank=0,
                            timeout_s=self.config.transfer_timeout_seconds,
                            hostname=sock.getsockname()[0])
 
@@ -239,6 +260,10 @@ class NcclTransport(PullTransport):
     def close_peer(self, peer: Any) -> None:
         if peer is not None and hasattr(peer, "abort") and self.backend == "nccl":
             peer.abort()
+
+    def close(self) -> None:
+        super().close()
+        self._store = None  # its listener closes with it: a fixed port is free again
 
     def send(self, peer: Any, sock: socket.socket, plan: PullPlan, deadline: Deadline,
              grant: bytes) -> None:

@@ -1,19 +1,38 @@
 """Mooncake's joined reads (transport/mooncake.py JoinedReads): concurrent pulls' ranges from one
 prefill go to the engine together, each range once; a pull returns only after its ranges were
 read; a failed batch fails exactly the pulls it carried; prefills never wait for each other.
-Pure logic against a scripted engine; the real engine's bytes are test_conformance's."""
+Pure logic against a scripted engine; the real engine's bytes are test_conformance's.
+
+Then ports and devices: each worker's engine listens within its rank's ports of
+``mooncake_port`` (the real engine over TCP, in processes of their own: Mooncake reads its port
+range once per process), and gets its rank's entry of a ``mooncake_device`` list."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
+import msgspec
 import pytest
+import torch
 
-from kvdisagg.transport import mooncake
-from kvdisagg.transport.mooncake import JoinedReads
+from kvdisagg.config import MOONCAKE_MAX_PORT, ConnectorConfig
+from kvdisagg.errors import ConfigError
+from kvdisagg.transport import Fetch, mooncake
+from kvdisagg.transport.mooncake import JoinedReads, bound_ports, check_devices
+from tests.support.ports import Listener, free_range, listening
+from tests.support.transport_peer import KV_LAYOUT, PeerProcess, kv_caches, open_transport
+
+ROOT = Path(__file__).resolve().parents[3]
 
 WAIT_S = 10.0
 
@@ -155,3 +174,143 @@ def test_nothing_to_read_never_calls_the_engine() -> None:
     engine = Engine()
     assert JoinedReads(engine).read("p:1", [], [], []) is None
     assert engine.batches == []
+
+
+# ---------------------------------------------------------------- ports and devices
+
+def test_prefill_engine_and_side_channel_listen_on_the_configured_ports() -> None:
+    """Prefill (the conformance suite's peer process, rank 1, Mooncake over TCP) listens on
+    ``side_channel_port`` + 1 and, with its engine, within ``mooncake_port`` + 2 .. + 3 (its
+    RPC port and its TCP data port), nowhere else; decode is told an endpoint there and pulls
+    the bytes through it."""
+    base = free_range(6, below=MOONCAKE_MAX_PORT)
+    side, engine = base, base + 2  # rank 1: base + 1, and base + 4 .. base + 5
+    extra = {"transfer_timeout_seconds": 5.0, "side_channel_host": "127.0.0.1",
+             "side_channel_port": side, "mooncake_port": engine, "mooncake_protocol": "tcp"}
+    peer = PeerProcess("mooncake", extra, seed=1, rank=1)
+    decode = None
+    try:
+        assert peer.port == side + 1
+        listeners = listening(peer.proc.pid)
+        assert {p for _, p in listeners} == {side + 1, engine + 2, engine + 3}, listeners
+        assert Listener("127.0.0.1", side + 1) in listeners
+        config = msgspec.convert({**{k: v for k, v in extra.items() if k != "mooncake_port"},
+                                  "transport": "mooncake"}, ConnectorConfig)
+        dst = kv_caches(None)
+        decode, _ = open_transport(config, dst, is_producer=False)
+        told: list[str] = []
+        open_client = decode.open_client  # type: ignore[attr-defined]
+
+        def spy(sock: Any, info: dict[str, Any], deadline: Any) -> Any:
+            told.append(info["endpoint"])
+            return open_client(sock, info, deadline)
+        decode.open_client = spy  # type: ignore[attr-defined]
+        remote, local = [2, 3, 9], [6, 1, 8]
+        token = peer.offer("h1", remote, [1] * 40)
+        assert decode.fetch(Fetch("h1", token, "127.0.0.1", peer.port, KV_LAYOUT,
+                                  tuple(remote), tuple(local)), 5.0) > 0
+        assert told in ([f"127.0.0.1:{engine + 2}"], [f"127.0.0.1:{engine + 3}"])
+        src = kv_caches(1)
+        for layer in src:
+            assert torch.equal(dst[layer][local], src[layer][remote])
+    finally:
+        if decode is not None:
+            decode.close()
+        peer.close()
+
+
+DECODE = """
+import json, os, sys
+from kvdisagg.config import MOONCAKE_MAX_PORT, ConnectorConfig
+from tests.support.ports import listening
+from tests.support.transport_peer import kv_caches, open_transport
+if sys.argv[2] == "preloaded":
+    import mooncake.engine
+config = ConnectorConfig(transport="mooncake", mooncake_protocol="tcp",
+                         side_channel_host="127.0.0.1", mooncake_port=int(sys.argv[1]))
+try:
+    decode, _ = open_transport(config, kv_caches(None), is_producer=False, rank=1)
+except Exception as exc:
+    print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+else:
+    print(json.dumps({"ports": sorted(p for _, p in listening(os.getpid()))}))
+"""
+
+
+def decode_in_a_process(base: int, how: str) -> dict[str, Any]:
+    """A decode worker (rank 1) opened in a fresh process: what it listens on, or its error."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT")}
+    out = subprocess.run([sys.executable, "-c", DECODE, str(base), how], capture_output=True,
+                         text=True, timeout=120, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_decode_engine_listens_on_its_ranks_ports_too() -> None:
+    """Decode's engine listens as well (Mooncake starts one per worker): within its rank's
+    two ports of its own ``mooncake_port``."""
+    base = free_range(4, below=MOONCAKE_MAX_PORT)
+    assert decode_in_a_process(base, "fresh") == {"ports": [base + 2, base + 3]}
+
+
+def test_ports_cannot_be_bounded_once_the_engine_was_loaded_and_it_says_so() -> None:
+    """Mooncake reads its port range once, when ``mooncake.engine`` loads: a worker whose
+    process loaded it before stops with a message naming the key, not on a random port."""
+    base = free_range(4, below=MOONCAKE_MAX_PORT)
+    error = decode_in_a_process(base, "preloaded")["error"]
+    assert error.startswith(f"ConfigError: mooncake_port={base}: rank 1's engine listens on ")
+    assert "mooncake.engine was loaded in this process before" in error
+
+
+def test_bound_ports_per_rank_and_past_the_last_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert bound_ports(0, 3) is None and "MC_MIN_RPC_PORT" not in os.environ
+    assert bound_ports(17000, 3) == (17006, 17007)
+    assert (os.environ["MC_MIN_RPC_PORT"], os.environ["MC_MAX_RPC_PORT"]) == ("17006", "17007")
+    with pytest.raises(ConfigError, match="mooncake_port=32762: rank 3's port 32769 is past "
+                       "32767"):
+        bound_ports(32762, 3)
+
+
+def test_rdma_refuses_devices_the_host_lacks() -> None:
+    check_devices("mlx5_1", ["mlx5_0", "mlx5_1"], 1)
+    check_devices("", ["mlx5_0"], 0)  # every device: Mooncake picks
+    with pytest.raises(ConfigError, match=r"mooncake_device: rank 2's mlx5_9 not in "
+                       r"/sys/class/infiniband \(found: mlx5_0, mlx5_1\)"):
+        check_devices("mlx5_0,mlx5_9", ["mlx5_0", "mlx5_1"], 2)
+    with pytest.raises(ConfigError, match="mooncake_protocol=rdma but /sys/class/infiniband "
+                       "lists no RDMA device"):
+        check_devices("", [], 0)
+
+
+def test_each_rank_gets_its_own_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A list of devices: rank r's engine is initialized with entry r (on a host that has
+    them; the engine here records its arguments)."""
+    calls: list[tuple[str, ...]] = []
+
+    class Recorder:
+        def initialize(self, *args: str) -> int:
+            calls.append(args)
+            return 0
+
+        def get_rpc_port(self) -> int:
+            return 15000
+
+        def register_memory(self, addr: int, nbytes: int) -> int:
+            return 0
+
+    fake = types.ModuleType("mooncake.engine")
+    fake.TransferEngine = Recorder  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "mooncake.engine", fake)
+    monkeypatch.setattr(mooncake, "rdma_devices", lambda: ["mlx5_0", "mlx5_1", "mlx5_2"])
+    config = msgspec.convert({"transport": "mooncake", "mooncake_protocol": "rdma",
+                              "mooncake_device": ["mlx5_2", "mlx5_0,mlx5_1"]}, ConnectorConfig)
+    for rank in (0, 1):
+        open_transport(config, kv_caches(None), is_producer=False, rank=rank)
+    assert [c[3] for c in calls] == ["mlx5_2", "mlx5_0,mlx5_1"]
+    assert calls[0][:3] == ("127.0.0.1", "P2PHANDSHAKE", "rdma")
+    with pytest.raises(ConfigError, match="mooncake_device lists 2 entries but this worker is "
+                       "rank 2"):
+        open_transport(config, kv_caches(None), is_producer=False, rank=2)
+    assert len(calls) == 2

@@ -14,6 +14,8 @@ tests, and on a GPU by ``kvdisagg gpu-check`` (kvdisagg/gpu_check.py).
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 import time
 from typing import Any
@@ -23,12 +25,13 @@ import pytest
 import torch
 
 from kvdisagg.config import ConnectorConfig
-from kvdisagg.errors import TransferTimeout
+from kvdisagg.errors import ConfigError, TransferTimeout
 from kvdisagg.layout import LayerRegion, copy_runs, layer_regions, whole_slices
 from kvdisagg.transport import Fetch, Offer, nccl
 from kvdisagg.transport.nccl import CudaSync, HostSync, NcclTransport
 from kvdisagg.transport.pull import Deadline, PullPlan
-from tests.support.transport_peer import KV_LAYOUT, kv_caches, open_transport
+from tests.support.ports import Listener, free_range, listening
+from tests.support.transport_peer import KV_LAYOUT, PeerProcess, kv_caches, open_transport
 
 POLLS = 3  # is_completed()/query() calls before a fake op or event is done
 
@@ -295,3 +298,65 @@ def test_decode_reports_the_load_done_and_prefill_frees_only_after_the_copies(
                "prefill host saw the event done", "prefill got Done: the blocks may be freed")
     for layer in src_kv:
         assert torch.equal(dst_kv[layer][DST], src_kv[layer][SRC])
+
+
+# ---------------------------------------------------------------- the rendezvous port
+
+def test_prefill_listens_on_the_configured_ports_and_decode_meets_there() -> None:
+    """``nccl_store_port`` + rank: prefill's TCPStore listens there, on ``side_channel_host``
+    alone (not every interface), beside the side channel on ``side_channel_port`` + rank, and
+    nothing else listens until a group forms; decode is told that port and its pull works
+    through it. Prefill runs in its own process (the conformance suite's peer), as rank 1."""
+    base = free_range(4)
+    side, store = base, base + 2  # rank 1 listens on base + 1 and base + 3
+    extra = {"transfer_timeout_seconds": 5.0, "side_channel_host": "127.0.0.1",
+             "side_channel_port": side, "nccl_store_port": store}
+    peer = PeerProcess("nccl", extra, seed=1, rank=1)
+    decode = None
+    try:
+        assert peer.port == side + 1
+        assert listening(peer.proc.pid) == {Listener("127.0.0.1", side + 1),
+                                            Listener("127.0.0.1", store + 1)}
+        config = msgspec.convert({**extra, "transport": "nccl"}, ConnectorConfig)
+        dst = kv_caches(None)
+        decode, _ = open_transport(config, dst, is_producer=False)
+        told: list[dict[str, Any]] = []
+        open_client = decode.open_client  # type: ignore[attr-defined]
+
+        def spy(sock: Any, info: dict[str, Any], deadline: Deadline) -> Any:
+            told.append(info)
+            return open_client(sock, info, deadline)
+        decode.open_client = spy  # type: ignore[attr-defined]
+        token = peer.offer("h1", SRC, [1] * 80)
+        assert decode.fetch(Fetch("h1", token, "127.0.0.1", peer.port, KV_LAYOUT, tuple(SRC),
+                                  tuple(DST)), 5.0) > 0
+        assert [(i["store_host"], i["store_port"]) for i in told] == [("127.0.0.1", store + 1)]
+        src = kv_caches(1)
+        for layer in src:
+            assert torch.equal(dst[layer][DST], src[layer][SRC])
+    finally:
+        if decode is not None:
+            decode.close()
+        peer.close()
+
+
+def test_a_taken_store_port_stops_start_up_naming_the_key() -> None:
+    config = msgspec.convert({"transport": "nccl", "side_channel_host": "127.0.0.1",
+                              "nccl_store_port": free_range(1)}, ConnectorConfig)
+    with socket.create_server(("127.0.0.1", config.nccl_store_port)):
+        with pytest.raises(ConfigError, match=rf"nccl_store_port={config.nccl_store_port}: "
+                           "rank 0 cannot listen on 127.0.0.1"):
+            open_transport(config, kv_caches(1), is_producer=True)
+    past = msgspec.convert({"transport": "nccl", "nccl_store_port": 65535}, ConnectorConfig)
+    with pytest.raises(ConfigError, match="nccl_store_port=65535: rank 1's port 65536"):
+        open_transport(past, kv_caches(1), is_producer=True, rank=1)
+
+
+def test_closing_frees_the_store_port_for_the_next_transport() -> None:
+    config = msgspec.convert({"transport": "nccl", "side_channel_host": "127.0.0.1",
+                              "nccl_store_port": free_range(1)}, ConnectorConfig)
+    for _ in range(2):
+        prefill, _ = open_transport(config, kv_caches(1), is_producer=True)
+        assert Listener("127.0.0.1", config.nccl_store_port) in listening(os.getpid())
+        prefill.close()
+    assert Listener("127.0.0.1", config.nccl_store_port) not in listening(os.getpid())
