@@ -41,7 +41,8 @@ K8S_BUILDS = ("base", "keda", "rdma", "all")
 EXAMPLE_DIRS = ("cpu-1p1d", "gpu-xpyd", "behind-vllm-router", "kubernetes")
 # Placeholders the examples fill in at run time, and a sample value for each.
 PLACEHOLDERS = {"$(POD_IP)": "10.0.0.7", "@HOST@": "10.0.0.1", "@RDMA@": "mlx5_0",
-                "@LMCACHE_PORT@": "65432"}
+                "@LMCACHE_PORT@": "65432", "@SIDE_PORT@": "7100", "@STORE_PORT@": "7200",
+                "@MOONCAKE_PORT@": "7300"}
 # Custom resources: no built-in schema; checked structurally. Never in the base.
 CRDS = {("keda.sh/v1alpha1", "ScaledObject")}
 WORKLOAD_KINDS = {"Deployment", "StatefulSet"}
