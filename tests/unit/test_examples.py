@@ -681,11 +681,17 @@ def check_network_policies(build: str) -> None:
                 assert name in prefill and who == decode, where
             else:
                 raise AssertionError(f"{where}: a port this test does not know")
-        if any(kv_transfer_config(c)["kv_connector_extra_config"].get("transport") == "mooncake"
-               for c in containers(w) if is_vllm(c)):
-            # Mooncake's engine RPC, a port picked in 15000-17000: from the other role only
+        extras = [kv_transfer_config(c)["kv_connector_extra_config"] for c in containers(w)
+                  if is_vllm(c)]
+        for extra in extras:
+            if extra.get("transport") != "mooncake":
+                continue
+            # Mooncake's engine ports, bounded by mooncake_port (rank r: base + 2r, + 1), for
+            # 8 ranks: from the other role only
+            base = extra.get("mooncake_port")
+            assert base, (build, name, "mooncake_port unset: its ports are random")
             other = decode if name in prefill else prefill
-            for number in (15000, 16000, 17000):
+            for number in (base, base + 1, base + 15):
                 assert admitted(w, "", number, build) == other, (build, name, number)
 
 
