@@ -1,7 +1,8 @@
 """A fleet in the middle of a rolling upgrade, on real vLLM (docs/operations.md "Rolling
 upgrades"): prefill 0 and the decode of this release (side-channel protocol MIN..PROTOCOL_VERSION),
 prefill 1 announcing only the next release's version (``protocol_version_override``, a test
-setting: it speaks no version the decode speaks). 2P1D.
+setting: it speaks no version the decode speaks). The session's prefill and decode, one
+upgraded prefill started here, and a proxy of their own.
 
 Every request succeeds, token-identical to a plain instance (the session's); each one's KV moved
 (decode's pull counter), from prefill 0 only: the proxy never pairs prefill 1 with the decode.
@@ -21,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from kvdisagg.local.fleet import Fleet
-from kvdisagg.local.servers import free_port
+from kvdisagg.local.fleet import Fleet, kv_transfer_args
+from kvdisagg.local.servers import VllmServer, free_port
 from kvdisagg.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
 
 from .conftest import LOG_DIR, completion_tokens, metric, post, prompt_ids, wait_handoffs_freed
@@ -33,12 +34,37 @@ NEXT = PROTOCOL_VERSION + 1  # what prefill 1 announces: a release this decode c
 REQUESTS = 8
 
 
+class MixedFleet:
+    """The session's prefill and decode (this release) plus one prefill of the next release,
+    behind a proxy of their own."""
+
+    def __init__(self, session: Fleet, upgraded: VllmServer) -> None:
+        self.prefills = [session.prefill, upgraded]
+        self.decode = session.decode
+        self.log_dir = LOG_DIR / "upgrade"
+        self.session = session
+        self.proxy_url = ""
+
+    def wait_proxy_ready(self, url: str) -> None:
+        self.session.wait_proxy_ready(url=url)
+
+
 @pytest.fixture(scope="module")
-def fleet(model):
-    fleet = Fleet(model, LOG_DIR / "upgrade", prefills=2,
-                  prefill_extras=[None, {"protocol_version_override": NEXT}])
-    with fleet:
-        yield fleet
+def fleet(model, session_fleet) -> Iterator[MixedFleet]:
+    """One instance more than the session's: the upgraded prefill (on prefill's core)."""
+    log_dir = LOG_DIR / "upgrade"
+    upgraded = VllmServer(model, log_path=log_dir / "prefill-next.log", omp_threads_bind="0",
+                          extra_args=kv_transfer_args("kv_producer", {
+                              "protocol_version_override": NEXT, "lease_seconds": 8.0}))
+    upgraded.start()
+    try:
+        upgraded.wait_ready(900)
+        mixed = MixedFleet(session_fleet, upgraded)
+        with proxy_of(mixed, [p.base_url for p in mixed.prefills], "proxy-mixed") as url:
+            mixed.proxy_url = url
+            yield mixed
+    finally:
+        upgraded.stop()
 
 
 def bodies(seed: int, n: int) -> list[dict[str, Any]]:
@@ -79,6 +105,10 @@ def wait_versions_known(proxy_url: str, want: dict[str, tuple[int, int]]) -> Non
 
 def pulls(fleet) -> float:
     return metric(fleet.decode.base_url, "vllm:kvdisagg_pulls_total")
+
+
+def decode_metric(fleet, name: str) -> float:
+    return metric(fleet.decode.base_url, name)
 
 
 @contextlib.contextmanager
@@ -127,6 +157,9 @@ def test_a_mixed_fleet_serves_every_request_pairing_only_instances_that_speak_to
     legs0 = [metric(fleet.proxy_url, "kvdisagg_proxy_instance_requests_total",
                     instance=p.base_url, side="prefill") for p in fleet.prefills]
     routed0 = metric(fleet.proxy_url, "kvdisagg_proxy_routed_total", route="pd")
+    # the session's decode: what other modules did before is counted already
+    failures0 = decode_metric(fleet, "vllm:kvdisagg_pull_failures_total")
+    recomputed0 = decode_metric(fleet, "vllm:kvdisagg_recomputed_prompts_total")
 
     with ThreadPoolExecutor(4) as pool:  # prefill's round robin would alternate the two
         results = list(pool.map(lambda b: completion_tokens(fleet.proxy_url, b, 300), items))
@@ -135,8 +168,8 @@ def test_a_mixed_fleet_serves_every_request_pairing_only_instances_that_speak_to
     # Each request's KV moved from prefill 0; prefill 1 never got a leg, never offered KV.
     wait_for("every KV pulled", lambda: pulls(fleet) - pulls0 >= REQUESTS)
     assert pulls(fleet) - pulls0 == REQUESTS
-    assert metric(fleet.decode.base_url, "vllm:kvdisagg_pull_failures_total") == 0
-    assert metric(fleet.decode.base_url, "vllm:kvdisagg_recomputed_prompts_total") == 0
+    assert decode_metric(fleet, "vllm:kvdisagg_pull_failures_total") == failures0
+    assert decode_metric(fleet, "vllm:kvdisagg_recomputed_prompts_total") == recomputed0
     assert metric(fleet.proxy_url, "kvdisagg_proxy_routed_total", route="pd") - routed0 \
         == REQUESTS
     legs = [metric(fleet.proxy_url, "kvdisagg_proxy_instance_requests_total",
