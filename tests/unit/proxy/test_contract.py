@@ -106,3 +106,16 @@ def test_text_parts_alone_are_not_multimodal() -> None:
         {"type": "text", "text": "a"}]}]})
     assert multimodal({"messages": [{"role": "user", "content": [
         {"type": "input_audio", "input_audio": {}}]}]})
+
+
+def test_the_docs_table_is_this_modules_table() -> None:
+    """docs/proxy.md lists the continuable fields: exactly contract._CONTINUABLE (and the seed,
+    which greedy sampling makes inert)."""
+    import re
+    from pathlib import Path
+
+    from kvdisagg.proxy.contract import _CONTINUABLE
+
+    docs = (Path(__file__).resolve().parents[3] / "docs" / "proxy.md").read_text()
+    para = docs.split("**Continuable fields**", 1)[1].split("Any other field", 1)[0]
+    assert set(re.findall(r"`([a-z_]+)`", para)) == _CONTINUABLE | {"seed"}
