@@ -113,6 +113,16 @@ WHY: dict[Why, str] = {
     ("decode_only", "prefill_failed"):
         "decode alone, a fallback: every prefill try failed (retry.decode_only_fallback; "
         "proxy.log says why)",
+    ("decode_only", "prompt_embeds"):
+        "decode alone: prompt embeddings, which only the instance given them can compute",
+    ("decode_only", "invalid_min_tokens"):
+        "decode alone: a min_tokens vLLM refuses, answered with vLLM's own error without a "
+        "prefill",
+    ("decode_only", "no_compatible_prefill"):
+        "decode alone, a fallback: no prefill speaks a protocol version this decode speaks "
+        "(a rolling upgrade in progress)",
+    ("decode_only", "no_compatible_decode"):
+        "decode alone, a fallback: no decode could pull the handoff's protocol version",
     ("decode_only", "colocate"):
         "decode alone: no prefill was predicted to meet the TTFT SLO (slo.admission "
         "colocate)",

@@ -40,7 +40,9 @@ _TOKEN_IDS = re.compile(rb'"token_ids":(\[[0-9, ]*\])')
 _PROMPT_IDS = re.compile(rb'"prompt_token_ids":(\[[0-9, ]*\])')
 _CREATED = re.compile(rb'"created":([0-9]+)')
 _MODEL = re.compile(rb'"model":("(?:[^"\\]|\\.)*")')
-_FINISHED = re.compile(rb'"finish_reason":"')
+# An answer's end (the client got its last token); not "abort": an engine shutting down aborts
+# its requests, and the rest of such an answer is migrated.
+_FINISHED = re.compile(rb'"finish_reason":"(?!abort"|error")')
 _USAGE_EVENT = re.compile(rb'"choices":\[\],')
 
 

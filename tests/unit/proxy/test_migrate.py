@@ -198,3 +198,18 @@ def test_a_break_after_the_last_token_ends_the_stream_as_vllm_would() -> None:
         "id": "chatcmpl-a", "object": "chat.completion.chunk", "created": 9, "model": "tiny",
         "choices": [], "usage": {"prompt_tokens": 3, "total_tokens": 5, "completion_tokens": 2}}
     assert ending(tap, include_usage=False) == b"data: [DONE]\n\n"
+
+
+def test_an_aborted_answer_is_not_a_finished_one() -> None:
+    """An engine shutting down (SIGTERM) ends its streams with finish_reason abort: the rest
+    of the answer must be migrated, not the stream ended there (test_retire's decode SIGTERM
+    caught it)."""
+    from kvdisagg.proxy.migrate import Tap
+
+    tap = Tap(False, strip=False)
+    tap.feed(_event({"id": "c", "created": 1, "model": "tiny", "choices": [{
+        "index": 0, "text": "", "finish_reason": "abort", "token_ids": []}]}))
+    assert not tap.finished
+    tap.feed(_event({"id": "c", "created": 1, "model": "tiny", "choices": [{
+        "index": 0, "text": "x", "finish_reason": "length", "token_ids": [5]}]}))
+    assert tap.finished
