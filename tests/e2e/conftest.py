@@ -123,6 +123,17 @@ def post_stream(url: str, body: dict[str, Any], timeout: float = 120) -> list[di
     return events
 
 
+def plain_tokens(plain_url: str, items: list[dict[str, Any]]) -> list[list[int]]:
+    """A plain instance's token ids for each completions body (not streamed), one at a time."""
+    out = []
+    for body in items:
+        status, reply = post(plain_url + "/v1/completions", {**body, "stream": False},
+                             timeout=300)
+        assert status == 200, reply
+        out.append(reply["choices"][0]["token_ids"])
+    return out
+
+
 def completion_tokens(base_url: str, body: dict[str, Any],
                       timeout: float = 300, text: bool = False) -> tuple[str, Any]:
     """One completion, streamed or not (``body["stream"]``), with ``return_token_ids``:

@@ -15,7 +15,14 @@ import pytest
 
 from kvdisagg.local.fleet import Fleet
 
-from .conftest import LOG_DIR, completion_tokens, metric, post, prompt_ids, wait_handoffs_freed
+from .conftest import (
+    LOG_DIR,
+    completion_tokens,
+    metric,
+    plain_tokens,
+    prompt_ids,
+    wait_handoffs_freed,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -55,16 +62,6 @@ def proxy_metric(fleet, name: str, **labels: str) -> float:
     return metric(fleet.proxy_url, name, **labels)
 
 
-def expected_tokens(url: str, items: list[dict[str, Any]]) -> list[list[int]]:
-    """What a plain instance answers (the session's: no DisaggConnector)."""
-    out = []
-    for body in items:
-        status, reply = post(url + "/v1/completions", {**body, "stream": False}, timeout=300)
-        assert status == 200, reply
-        out.append(reply["choices"][0]["token_ids"])
-    return out
-
-
 @pytest.mark.timeout(900)
 def test_prefill_sigterm_serves_its_handoffs_then_exits(fleet, plain):
     """Decode is paused while a burst is prefilled, so the prefills hold every handoff; prefill
@@ -74,7 +71,7 @@ def test_prefill_sigterm_serves_its_handoffs_then_exits(fleet, plain):
     go to prefill 1 only."""
     retiring, other = fleet.prefills
     items, later = bodies(0, BURST), bodies(100, 4)
-    expected = expected_tokens(plain, items + later)
+    expected = plain_tokens(plain, items + later)
     pulls0 = pulls(fleet)
     offered0 = [metric(p.base_url, "vllm:kvdisagg_handoffs_offered_total")
                 for p in fleet.prefills]
@@ -132,7 +129,7 @@ def test_decode_sigterm_finishes_or_migrates_its_streams(fleet, plain):
     0 exits within DECODE_SHUTDOWN_S plus teardown; later requests all go to decode 1."""
     retiring, other = fleet.decodes
     items, later = bodies(200, BURST, max_tokens=500, stream=True), bodies(300, 4)
-    expected = expected_tokens(plain, items + later)
+    expected = plain_tokens(plain, items + later)
     migrated0 = proxy_metric(fleet, "kvdisagg_proxy_migrations_total", outcome="ok")
     with ThreadPoolExecutor(BURST) as pool:
         futures = [pool.submit(completion_tokens, fleet.proxy_url, b, 300) for b in items]

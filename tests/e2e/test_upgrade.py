@@ -26,7 +26,14 @@ from kvdisagg.local.fleet import Fleet, kv_transfer_args
 from kvdisagg.local.servers import VllmServer, free_port
 from kvdisagg.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
 
-from .conftest import LOG_DIR, completion_tokens, metric, post, prompt_ids, wait_handoffs_freed
+from .conftest import (
+    LOG_DIR,
+    completion_tokens,
+    metric,
+    plain_tokens,
+    prompt_ids,
+    wait_handoffs_freed,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -73,16 +80,6 @@ def bodies(seed: int, n: int) -> list[dict[str, Any]]:
              "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
              "stream": i % 2 == 1}
             for i in range(n)]
-
-
-def expected_tokens(url: str, items: list[dict[str, Any]]) -> list[list[int]]:
-    """What a plain instance answers (no DisaggConnector)."""
-    out = []
-    for body in items:
-        status, reply = post(url + "/v1/completions", {**body, "stream": False}, timeout=300)
-        assert status == 200, reply
-        out.append(reply["choices"][0]["token_ids"])
-    return out
 
 
 def wait_for(what: str, cond: Any, timeout_s: float = 30.0) -> None:
@@ -150,7 +147,7 @@ def test_a_mixed_fleet_serves_every_request_pairing_only_instances_that_speak_to
         current.base_url: (MIN_PROTOCOL_VERSION, PROTOCOL_VERSION), upgraded.base_url: (NEXT, NEXT),
         fleet.decode.base_url: (MIN_PROTOCOL_VERSION, PROTOCOL_VERSION)})
     items = bodies(7000, REQUESTS)
-    expected = expected_tokens(plain, items)
+    expected = plain_tokens(plain, items)
     pulls0 = pulls(fleet)
     offered0 = [metric(p.base_url, "vllm:kvdisagg_handoffs_offered_total")
                 for p in fleet.prefills]
@@ -190,7 +187,7 @@ def test_with_no_prefill_in_common_decode_serves_alone_counted(fleet, plain):
     instance answers it, and the proxy counts why."""
     upgraded = fleet.prefills[1]
     items = bodies(8000, 4)
-    expected = expected_tokens(plain, items)
+    expected = plain_tokens(plain, items)
     pulls0 = pulls(fleet)
     offered0 = metric(upgraded.base_url, "vllm:kvdisagg_handoffs_offered_total")
     with proxy_of(fleet, [upgraded.base_url], "proxy-upgraded-only") as url:
