@@ -76,8 +76,7 @@ class ClientBody(NamedTuple):
 
     @property
     def n(self) -> int:
-        n = self.fields.get("n")
-        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+        return _sample_count(self.fields)
 
 
 def _prompt_text(fields: dict[str, Any], chat: bool) -> tuple[str, int | None]:
@@ -127,10 +126,14 @@ def parse(raw: bytes, chat: bool, prefix_chars: int) -> ClientBody:
     prompt = fields.get("prompt")
     prompts = (prompt if not chat and isinstance(prompt, list) and len(prompt) > 1
                and all(isinstance(p, (str, list)) for p in prompt) else None)
-    n = fields.get("n")
-    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
     return ClientBody(raw, fields, chat, stream, RouteRequest(key, tokens, max_tokens), slo,
-                      prompts, contract.paths(fields, chat, stream, n))
+                      prompts, contract.paths(fields, chat, stream, _sample_count(fields)))
+
+
+def _sample_count(fields: dict[str, Any]) -> int:
+    """The request's ``n``: 1 when absent or not a positive integer (vLLM refuses those)."""
+    n = fields.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
 
 
 def with_prompt(body: ClientBody, prompt: Any, prefix_chars: int) -> ClientBody:

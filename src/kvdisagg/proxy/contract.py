@@ -133,21 +133,19 @@ def _continuable(fields: dict[str, Any], chat: bool, limit: Any) -> str | None:
 
 def paths(fields: dict[str, Any], chat: bool, stream: bool, n: int) -> Paths:
     """The contract for one request body (its decoded JSON object)."""
-    limit = fields.get(limit_key(fields, chat))
-    handoff = _handoff(fields, limit)
+    raw_limit = fields.get(limit_key(fields, chat))
+    limit = raw_limit if _is_int(raw_limit) else None
+    handoff = _handoff(fields, raw_limit)
     if handoff is not None:
-        return Paths(handoff, handoff, handoff, limit if _is_int(limit) else None)
+        return Paths(handoff, handoff, handoff, limit)
     # A seed with greedy sampling changes nothing: judge the rest without it.
     greedy = fields.get("temperature") == _SEED_NEUTRAL_TEMPERATURE
     judged = {k: v for k, v in fields.items() if not (k == "seed" and greedy)}
-    cont = _continuable(judged, chat, limit)
-    if cont is None and (not stream or n != 1):
-        cont = "not_one_stream"
-    migration = cont
-    first = cont
-    if first is None:
-        first = _first_token(fields, limit)
-    return Paths(None, first, migration, limit if _is_int(limit) else None)
+    migration = _continuable(judged, chat, raw_limit)
+    if migration is None and (not stream or n != 1):
+        migration = "not_one_stream"
+    first = migration if migration is not None else _first_token(fields, raw_limit)
+    return Paths(None, first, migration, limit)
 
 
 def _handoff(fields: dict[str, Any], limit: Any) -> str | None:
