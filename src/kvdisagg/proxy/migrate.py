@@ -43,6 +43,7 @@ _MODEL = re.compile(rb'"model":("(?:[^"\\]|\\.)*")')
 # An answer's end (the client got its last token); not "abort": an engine shutting down aborts
 # its requests, and the rest of such an answer is migrated.
 _FINISHED = re.compile(rb'"finish_reason":"(?!abort"|error")')
+_ABORTED = b'"finish_reason":"abort"'
 _USAGE_EVENT = re.compile(rb'"choices":\[\],')
 
 
@@ -90,8 +91,8 @@ class Tap:
             self.carry = data
             return b""
         self.carry, data = data[cut:], data[:cut]
-        if b'"error"' in data:
-            data = self._cut_at_server_error(data)
+        if b'"error"' in data or _ABORTED in data:
+            data = self._cut_at_failure(data)
         if self.prompt_ids is None and (m := _PROMPT_IDS.search(data)):
             self.prompt_ids = _decode(m.group(1))  # a continuation keeps the original's
         for m in _TOKEN_IDS.finditer(data):
@@ -113,18 +114,27 @@ class Tap:
                                    _TOKEN_IDS.sub(b'"token_ids":null', data))
         return data
 
-    def _cut_at_server_error(self, data: bytes) -> bytes:
-        """``data`` up to an event that carries a server error (code >= 500), which is kept
-        back and recorded in ``failure``; other errors (the request's own) pass through."""
+    def _cut_at_failure(self, data: bytes) -> bytes:
+        """``data`` up to an event that ends the leg, not the answer: a server error (code >=
+        500) or vLLM's ``finish_reason: abort`` (an engine shutting down aborts what it still
+        runs). That event is kept back and recorded in ``failure``; other errors (the
+        request's own) pass through."""
         events = data.split(b"\n\n")
         for i, event in enumerate(events):
-            if not event.startswith(b"data: {") or b'"error"' not in event:
+            if not event.startswith(b"data: {"):
                 continue
-            error = bodies.stream_error(event[6:])
-            if error is not None and (error.code or 0) >= 500:
-                self.failure = error.message[:300] or f"an error event of code {error.code}"
-                self.carry = b""
-                return b"".join(e + b"\n\n" for e in events[:i])
+            if _ABORTED in event:
+                why = "its engine aborted the request (shutting down?)"
+            elif b'"error"' in event:
+                error = bodies.stream_error(event[6:])
+                if error is None or (error.code or 0) < 500:
+                    continue
+                why = error.message[:300] or f"an error event of code {error.code}"
+            else:
+                continue
+            self.failure = why
+            self.carry = b""
+            return b"".join(e + b"\n\n" for e in events[:i])
         return data
 
     def _as_original(self, data: bytes) -> bytes:

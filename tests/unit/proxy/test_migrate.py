@@ -207,9 +207,13 @@ def test_an_aborted_answer_is_not_a_finished_one() -> None:
     from kvdisagg.proxy.migrate import Tap
 
     tap = Tap(False, strip=False)
-    tap.feed(_event({"id": "c", "created": 1, "model": "tiny", "choices": [{
-        "index": 0, "text": "", "finish_reason": "abort", "token_ids": []}]}))
-    assert not tap.finished
+    out = tap.feed(_event({"id": "c", "created": 1, "model": "tiny", "choices": [{
+        "index": 0, "text": "a", "token_ids": [4]}]}) + _event({
+            "id": "c", "created": 1, "model": "tiny", "choices": [{
+                "index": 0, "text": "", "finish_reason": "abort", "token_ids": []}]}))
+    assert not tap.finished and tap.failure is not None  # the leg failed: migrate the rest
+    assert b"abort" not in out and tap.ids == [4]  # the client never sees the abort
+    tap = Tap(False, strip=False)
     tap.feed(_event({"id": "c", "created": 1, "model": "tiny", "choices": [{
         "index": 0, "text": "x", "finish_reason": "length", "token_ids": [5]}]}))
     assert tap.finished
