@@ -155,7 +155,7 @@ class FakeVllm:
                       body: dict[str, Any] | None = None) -> web.StreamResponse:
         """Events shaped as vLLM 0.32 writes them: completions carry ``prompt_token_ids`` and
         ``token_ids`` (null unless ``return_token_ids``), chat too, starting with a role chunk.
-        Token k of an answer is ``t{k}`` (id 100 + k); a prompt
+        Token k of an answer is ``t{k}`` (id 100 + k), the last with finish_reason length; a prompt
         that ends with ids >= 100 (a migrated stream's continuation) continues the count."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -200,6 +200,7 @@ class FakeVllm:
                     if isinstance(body.get("prompt"), str) and body["prompt"].startswith("#") \
                             or (body.get("prompt") is not None and n > 1):
                         choice["prompt_echo"] = body["prompt"]
+                choice["finish_reason"] = "length" if i == count - 1 else None
                 await resp.write(b"data: " + _enc({"id": rid, "choices": [choice]}) + b"\n\n")
         if (body.get("stream_options") or {}).get("include_usage"):
             usage = {"prompt_tokens": len(pids), "completion_tokens": count * n,

@@ -46,6 +46,7 @@ _MODEL = re.compile(rb'"model":("(?:[^"\\]|\\.)*")')
 _FINISHED = re.compile(rb'"finish_reason":"(?!abort"|error")')
 _ABORTED = b'"finish_reason":"abort"'
 _USAGE_EVENT = re.compile(rb'"choices":\[\],')
+_DONE = b"data: [DONE]"
 
 
 def wants_token_ids(fields: dict[str, Any]) -> bool:
@@ -64,7 +65,7 @@ class Tap:
     waits for the rest)."""
 
     __slots__ = ("chat", "strip", "carry", "prompt_ids", "ids", "id", "resumed", "skip_role",
-                 "base", "failure", "created", "model", "finished", "usage_sent")
+                 "base", "failure", "created", "model", "finished", "usage_sent", "refused")
 
     def __init__(self, chat: bool, strip: bool, resumed: Tap | None = None) -> None:
         self.chat, self.strip = chat, strip
@@ -82,6 +83,7 @@ class Tap:
         self.skip_role = self.resumed and chat  # the client already has the role chunk
         # The server error vLLM ended the stream with (its engine died): the leg failed.
         self.failure: str | None = None
+        self.refused = False  # vLLM ended the stream with the request's own error event
 
     def feed(self, data: bytes) -> bytes:
         if self.failure is not None:
@@ -92,7 +94,9 @@ class Tap:
             self.carry = data
             return b""
         self.carry, data = data[cut:], data[:cut]
-        if b'"error"' in data or _ABORTED in data:
+        if (b'"error"' in data or _ABORTED in data
+                or (not self.finished and not self.refused
+                    and (_DONE in data or _USAGE_EVENT.search(data)))):
             data = self._cut_at_failure(data)
         if self.prompt_ids is None and (m := _PROMPT_IDS.search(data)):
             self.prompt_ids = _decode(m.group(1))  # a continuation keeps the original's
@@ -117,21 +121,30 @@ class Tap:
 
     def _cut_at_failure(self, data: bytes) -> bytes:
         """``data`` up to an event that ends the leg, not the answer: a server error (code >=
-        500) or vLLM's ``finish_reason: abort`` (an engine shutting down aborts what it still
-        runs). That event is kept back and recorded in ``failure``; other errors (the
-        request's own) pass through."""
+        500), vLLM's ``finish_reason: abort`` (an engine shutting down aborts what it still
+        runs), or the stream's end (its usage event or ``[DONE]``) before the answer's
+        finish_reason (an engine shut down under a request it had not started: vLLM's output
+        stream just ends). That event is kept back and recorded in ``failure``; other errors
+        (the request's own) pass through, and so does the ``[DONE]`` after them."""
         events = data.split(b"\n\n")
+        finished = self.finished
         for i, event in enumerate(events):
-            if not event.startswith(b"data: {"):
+            if event.startswith(b"data: [DONE]") or _USAGE_EVENT.search(event):
+                if finished or self.refused:
+                    continue
+                why = "its stream ended before the answer's finish_reason (shutting down?)"
+            elif not event.startswith(b"data: {"):
                 continue
-            if _ABORTED in event:
+            elif _ABORTED in event:
                 why = "its engine aborted the request (shutting down?)"
             elif b'"error"' in event:
                 error = bodies.stream_error(event[6:])
                 if error is None or (error.code or 0) < 500:
+                    self.refused = True  # the request's own error: vLLM's [DONE] follows
                     continue
                 why = error.message[:300] or f"an error event of code {error.code}"
             else:
+                finished = finished or _FINISHED.search(event) is not None
                 continue
             self.failure = why
             self.carry = b""

@@ -217,3 +217,34 @@ def test_an_aborted_answer_is_not_a_finished_one() -> None:
     tap.feed(_event({"id": "c", "created": 1, "model": "tiny", "choices": [{
         "index": 0, "text": "x", "finish_reason": "length", "token_ids": [5]}]}))
     assert tap.finished
+
+
+def test_a_stream_that_ends_before_its_finish_reason_failed() -> None:
+    """vLLM's stream generator just ends (usage event, [DONE]) when its engine shuts down under
+    a request it had not started; relayed, the client got prefill's first token and [DONE]
+    (test_retire's decode SIGTERM in CI). The leg failed: the rest of the answer is migrated."""
+    from kvdisagg.proxy.migrate import Tap
+
+    head = _event({"id": "c", "created": 1, "model": "tiny", "choices": [{
+        "index": 0, "text": "a", "token_ids": [4]}]})
+    usage = _event({"id": "c", "created": 1, "model": "tiny", "choices": [],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
+    for tail in (b"data: [DONE]\n\n", usage + b"data: [DONE]\n\n"):
+        tap = Tap(False, strip=False)
+        assert tap.feed(head + tail) == head  # kept back: not for the client
+        assert tap.failure is not None and not tap.finished and tap.ids == [4]
+        tap = Tap(False, strip=False)  # the end in a later read than the last token
+        assert tap.feed(head) == head and tap.failure is None
+        assert tap.feed(tail) == b"" and tap.failure is not None
+    # The request's own error (a 4xx event) ends the answer: its [DONE] goes to the client.
+    tap = Tap(False, strip=False)
+    refusal = _event({"error": {"message": "bad", "type": "BadRequestError", "code": 400}})
+    assert tap.feed(refusal + b"data: [DONE]\n\n") == refusal + b"data: [DONE]\n\n"
+    assert tap.failure is None
+    # A finished answer's usage event and [DONE] pass, in the same read or a later one.
+    done = _event({"id": "c", "created": 1, "model": "tiny", "choices": [{
+        "index": 0, "text": "", "finish_reason": "stop", "token_ids": [2]}]})
+    tap = Tap(False, strip=False)
+    assert tap.feed(head + done + usage + b"data: [DONE]\n\n") == (
+        head + done + usage + b"data: [DONE]\n\n")
+    assert tap.failure is None and tap.finished

@@ -611,7 +611,8 @@ def test_stream_relay_backpressure_and_http10(monkeypatch: pytest.MonkeyPatch) -
 
     def expected(rid: bytes) -> bytes:
         return b"".join(b'data: {"id":"%s","choices":[{"index":0,"text":"t%d ",'
-                        b'"prompt_token_ids":null,"token_ids":null}]}\n\n' % (rid, i)
+                        b'"prompt_token_ids":null,"token_ids":null,"finish_reason":%s}]}\n\n'
+                        % (rid, i, b'"length"' if i == 299 else b"null")
                         for i in range(300)) + b"data: [DONE]\n\n"
 
     async def t() -> None:
