@@ -15,9 +15,11 @@ restarts its generator at the break (docs/proxy.md says what is and is not repro
 
 A leg fails mid-stream when its connection breaks or goes silent, and also when vLLM itself
 ends the stream with an error event of a server error (its engine died: ``EngineDeadError``,
-e.g. a decode killed at its ``--shutdown-timeout``) or with ``finish_reason: abort`` (an engine
-shutting down aborts what it still runs): ``Tap`` holds that event back (and the ``[DONE]``
-after it) and the relay migrates the rest of the answer as for a broken connection.
+e.g. a decode killed at its ``--shutdown-timeout``), with ``finish_reason: abort`` (an engine
+shutting down aborts what it still runs), or with its usage event or ``[DONE]`` before the
+answer's finish_reason (an engine shut down under a request it had not started): ``Tap`` holds
+that event back (and the ``[DONE]`` after it) and the relay migrates the rest of the answer as
+for a broken connection.
 
 Only ``n == 1`` streams migrate (a break in one of n interleaved samples cannot be resumed
 alone); non-streamed requests need no migration: nothing was delivered, the decode stage
