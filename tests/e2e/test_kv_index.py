@@ -1,11 +1,15 @@
-"""The cache index on a real vLLM instance publishing KV events (issue 15, point 2).
+"""One plain vLLM instance (no DisaggConnector) for two concerns (issue 27 merged the former
+test_vllm_cpu_fixes.py here: one start-up less): the tiny model with ``--kv-events-config``
+(publisher and replay on loopback ports), every prompt past 64 tokens prefilled in chunks
+(``--max-num-batched-tokens 64``: a chunked prefill's events are what the index must follow
+under load).
 
-One instance of the tiny model with ``--kv-events-config`` (publisher and replay on loopback
-ports). Completions and chats whose prompts span several 128-token blocks: the proxy's token ids
-(in process) equal vLLM's own (/tokenize and the request's prompt_token_ids), the index built
-from the instance's real events predicts exactly the prefix it caches, a follow-up sharing the
-prefix is predicted the hit vLLM then reports (vllm:prefix_cache_hits / queries), and an index
-started later learns the same from the replay buffer.
+The cache index on it (issue 15, point 2): completions and chats whose prompts span several
+128-token blocks: the proxy's token ids (in process) equal vLLM's own (/tokenize and the
+request's prompt_token_ids), the index built from the instance's real events predicts exactly
+the prefix it caches, a follow-up sharing the prefix is predicted the hit vLLM then reports
+(vllm:prefix_cache_hits / queries), and an index started later learns the same from the replay
+buffer. Then (last) the CPU worker's seeded chunks (below).
 """
 
 from __future__ import annotations
@@ -24,17 +28,19 @@ from kvdisagg.local.tiny_model import _WORDS
 from kvdisagg.proxy.cache_index import CacheIndex, CacheIndexConfig, IndexState
 from kvdisagg.proxy.tokens import RequestTokenizer, TokenizerConfig, TokenizerMode
 from kvdisagg.proxy.upstream import Pool
-from tests.e2e.conftest import BLOCK, LOG_DIR, metric, post
+from tests.e2e.conftest import BLOCK, LOG_DIR, completion_tokens, metric, post, prompt_ids
 
 pytestmark = pytest.mark.e2e
 
 WAIT_S = 60.0
+BUDGET = 64  # vLLM's step budget: every prompt past it is prefilled in chunks
 
 
 @pytest.fixture(scope="module")
 def instance(model: Path):
     server = VllmServer(model, log_path=LOG_DIR / "kv-index.log",
-                        extra_args=kv_events_args("kv-index"))  # loopback and a socket file
+                        extra_args=[*kv_events_args("kv-index"),  # loopback and a socket file
+                                    "--max-num-batched-tokens", str(BUDGET)])
     with server:
         server.wait_ready(900)
         yield server
@@ -216,3 +222,26 @@ def test_local_tokens_equal_tokenize_for_body_variants(instance: VllmServer) -> 
             pool.close()
 
     asyncio.run(go())
+
+
+# vLLM 0.32's CPU worker with kvdisagg's plugin (kvdisagg/plugin.py): a seeded request whose
+# prompt is computed in chunks is answered as if it had been computed at once. Without the
+# plugin's ``_cpu_seeded_chunks`` the first such step kills EngineCore ("CPU Generator does not
+# use offset"): here every prompt past BUDGET tokens is chunked; under load the step budget left
+# over does the same to any seeded prompt. Last: the index tests above see the instance's
+# history from empty.
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_seeded_prompt_in_chunks_is_answered_like_one_computed_at_once(fleet, instance, stream):
+    body = {"model": "tiny", "prompt": prompt_ids(5 * BUDGET + 20, seed=77), "max_tokens": 24,
+            "temperature": 1.0, "seed": 4242, "ignore_eos": True, "return_token_ids": True,
+            "stream": stream}
+    got = completion_tokens(instance.base_url, body)
+    assert got[0] == "ok", got  # the engine survived its chunks
+    # The plain instance computes the prompt in one step: same seed, same tokens, so the
+    # dropped samples of the chunks left the request's random stream where it was.
+    assert got == completion_tokens(fleet.reference.base_url, body)
+    # Sampling, not greedy: another seed gives other tokens.
+    other = completion_tokens(instance.base_url, body | {"seed": 4243})
+    assert other[0] == "ok" and other[1] != got[1]

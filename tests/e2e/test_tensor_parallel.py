@@ -1,6 +1,6 @@
 """TP=2 prefill and TP=2 decode on one host, with the connector's defaults: each decode rank pulls
-from the prefill rank of the same index (its own side-channel port), and the answer is the
-prefill instance's own.
+from the prefill rank of the same index (its own side-channel port), and the answer is a plain
+instance's.
 
 Four ranks take turns on two cores (vLLM's auto binding refuses TP=2 on one NUMA node, so both
 instances get ``0|1``, one core per rank, sharing the cores): a step or a Hello can take many
@@ -40,9 +40,12 @@ def tokens(base_url: str, prompt: list[int], **kw) -> list[int]:
 
 
 @pytest.mark.timeout(1800)
-def test_tp2_pair_is_token_identical_to_prefill_alone(tp_fleet):
+def test_tp2_pair_is_token_identical_to_a_plain_instance(tp_fleet, plain):
+    """The plain instance (TP1, no DisaggConnector) is the answer: the tiny model's greedy
+    answers agree across TP1 and TP2 (test_parallel_shapes checks the shapes among
+    themselves)."""
     prompts = [prompt_ids(n, seed=n) for n in (1, 127, 129, 700, 1500)]
-    expected = [tokens(tp_fleet.prefill.base_url, p) for p in prompts]
+    expected = [tokens(plain, p) for p in prompts]
     with ThreadPoolExecutor(len(prompts)) as pool:
         got = list(pool.map(lambda p: tokens(tp_fleet.proxy_url, p), prompts))
     assert got == expected

@@ -13,8 +13,6 @@ A proxy whose only prefill is prefill 1 lets decode serve every request alone, c
 from __future__ import annotations
 
 import contextlib
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from kvdisagg.local.fleet import Fleet, kv_transfer_args
-from kvdisagg.local.servers import VllmServer, free_port
+from kvdisagg.local.fleet import Fleet, kv_transfer_args, running_proxy
+from kvdisagg.local.servers import VllmServer
 from kvdisagg.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
 
 from .conftest import (
@@ -108,26 +106,11 @@ def decode_metric(fleet, name: str) -> float:
     return metric(fleet.decode.base_url, name)
 
 
-@contextlib.contextmanager
-def proxy_of(fleet, prefills: list[str], name: str) -> Iterator[str]:
+def proxy_of(fleet, prefills: list[str], name: str) -> contextlib.AbstractContextManager[str]:
     """Another ``kvdisagg proxy`` in front of ``prefills`` and the fleet's decode (each request
     through prefill, as the fleet's own); its log is ``<name>.log``. Yields its URL."""
-    port = free_port()
-    with open(fleet.log_dir / f"{name}.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvdisagg.cli", "proxy", "--prefill", *prefills,
-             "--decode", fleet.decode.base_url, "--host", "127.0.0.1", "--port", str(port),
-             "--always-disaggregate"], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        fleet.wait_proxy_ready(url=url)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    return running_proxy(prefills, [fleet.decode.base_url], ["--always-disaggregate"],
+                         fleet.log_dir / f"{name}.log")
 
 
 def test_each_instance_announces_the_versions_it_speaks(fleet):

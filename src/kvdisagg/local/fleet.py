@@ -15,7 +15,8 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,54 @@ def _merged(base: dict[str, Any] | None, each: Sequence[dict[str, Any] | None],
             i: int) -> dict[str, Any]:
     """``base`` with entry ``i`` of ``each`` (if any) over it."""
     return {**(base or {}), **((each[i] if i < len(each) else None) or {})}
+
+
+def spawn_proxy(prefills: Sequence[str], decodes: Sequence[str], port: int,
+                args: Sequence[str], log_path: Path) -> subprocess.Popen[bytes]:
+    """``kvdisagg proxy`` on loopback ``port`` in front of these instance URLs, its output in
+    ``log_path``."""
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "kvdisagg.cli", "proxy", "--prefill", *prefills,
+             "--decode", *decodes, "--host", "127.0.0.1", "--port", str(port), *args],
+            stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_proxy_ready(url: str, timeout_s: float = 60.0, log_path: Path | None = None) -> None:
+    """Until the proxy at ``url`` has found every instance healthy (``/readiness``)."""
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/readiness", timeout=2) as r:
+                state = json.loads(r.read())
+            if all(state[side]["healthy"] == state[side]["total"]
+                   for side in ("prefill", "decode")):
+                return
+            last = str(state)
+        except (OSError, ValueError, KeyError) as exc:  # 503 until ready, or still starting
+            last = str(exc)
+        time.sleep(0.2)
+    raise RuntimeError(f"proxy not ready ({last}); see {log_path or url}")
+
+
+@contextmanager
+def running_proxy(prefills: Sequence[str], decodes: Sequence[str], args: Sequence[str],
+                  log_path: Path) -> Iterator[str]:
+    """A proxy in front of these instances for the ``with`` block; yields its URL once
+    ready, stops it after."""
+    port = free_port()
+    proc = spawn_proxy(prefills, decodes, port, args, log_path)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_proxy_ready(url, log_path=log_path)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 class Fleet:
@@ -115,14 +164,9 @@ class Fleet:
 
     def _spawn_proxy(self, port: int, args: Sequence[str], log_name: str,
                      decodes: Sequence[str] = ()) -> subprocess.Popen[bytes]:
-        with open(self.log_dir / log_name, "wb") as log:
-            return subprocess.Popen(
-                [sys.executable, "-m", "kvdisagg.cli", "proxy",
-                 "--prefill", *(p.base_url for p in self.prefills),
-                 "--decode", *(decodes or [d.base_url for d in self.decodes]),
-                 "--host", "127.0.0.1",
-                 "--port", str(port), *args],
-                stdout=log, stderr=subprocess.STDOUT)
+        return spawn_proxy([p.base_url for p in self.prefills],
+                           decodes or [d.base_url for d in self.decodes], port, args,
+                           self.log_dir / log_name)
 
     def start(self, timeout_s: float = 900.0) -> Fleet:
         for server in self.servers:
@@ -153,21 +197,7 @@ class Fleet:
 
     def wait_proxy_ready(self, timeout_s: float = 60.0, url: str | None = None) -> None:
         """Until the proxy's probes have found every instance healthy (``/readiness``)."""
-        deadline = time.monotonic() + timeout_s
-        last = ""
-        url = url or self.proxy_url
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(url + "/readiness", timeout=2) as r:
-                    state = json.loads(r.read())
-                if all(state[side]["healthy"] == state[side]["total"]
-                       for side in ("prefill", "decode")):
-                    return
-                last = str(state)
-            except (OSError, ValueError, KeyError) as exc:  # 503 until ready, or still starting
-                last = str(exc)
-            time.sleep(0.2)
-        raise RuntimeError(f"proxy not ready ({last}); see {self.log_dir / 'proxy.log'}")
+        wait_proxy_ready(url or self.proxy_url, timeout_s, self.log_dir / "proxy.log")
 
     def wait_index_live(self, timeout_s: float = 120.0) -> None:
         """Until the proxy's cache index follows every prefill and decode's KV events

