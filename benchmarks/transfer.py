@@ -42,10 +42,10 @@ from pathlib import Path
 import msgspec
 import torch
 
-from kvdisagg.config import ConnectorConfig
-from kvdisagg.integrity import TRAILER_BYTES
+from kvdisagg.connector.config import ConnectorConfig
+from kvdisagg.connector.integrity import TRAILER_BYTES
+from kvdisagg.connector.protocol.sockets import recv_into_exact
 from kvdisagg.local.servers import LMCacheServer
-from kvdisagg.protocol import recv_into_exact
 from kvdisagg.transport import Fetch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support, shared scaffolding
@@ -151,7 +151,7 @@ class Bench:
             conn = self.decode._checkout(key, Deadline(30, "bench"))  # a pooled connection
             self.decode._checkin(key, conn)  # only its peer info is used
             info, engine = conn.peer, self.decode.engine
-            from kvdisagg.layout import copy_runs
+            from kvdisagg.connector.layout import copy_runs
 
             runs = copy_runs(LAYERS, remote, local)
             regions = self.decode.regions

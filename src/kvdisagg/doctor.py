@@ -5,8 +5,10 @@ are plain functions so tests and other tools can run one at a time; ``diagnose``
 the arguments ask for. Every network probe is bounded by ``--timeout``. Nothing here starts
 vLLM or imports it (``import vllm`` takes tens of seconds): vLLM is found by its distribution
 metadata and module spec, and the plugin by its entry point. This module must not import
-``kvdisagg.connector`` or ``kvdisagg.proxy``; torch and the transports are imported inside
-the checks that need them, so ``kvdisagg --help`` stays fast.
+``kvdisagg.proxy`` or the parts of ``kvdisagg.connector`` that import vLLM (the facade and its
+scheduler and worker sides): only the connector's config and protocol, which import neither;
+torch and the transports are imported inside the checks that need them, so ``kvdisagg --help``
+stays fast.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 
 if TYPE_CHECKING:
-    from kvdisagg.config import ConnectorConfig
+    from kvdisagg.connector.config import ConnectorConfig
 
 
 Status = Literal["ok", "warn", "fail"]
@@ -117,7 +119,7 @@ def check_vllm() -> list[Finding]:
 def check_config(raw: str) -> tuple[list[Finding], ConnectorConfig | None]:
     """Parse ``--kv-transfer-config`` as vLLM would get it; return findings and the parsed
     ConnectorConfig (None when it did not parse)."""
-    from kvdisagg.config import parse_config
+    from kvdisagg.connector.config import parse_config
     from kvdisagg.errors import ConfigError
 
     check = "config"
@@ -236,7 +238,7 @@ def check_transport(name: str, config: ConnectorConfig | None = None,
                              "use TCP only", "expected on hosts without RDMA NICs; otherwise "
                              "load the NIC's driver (ibv_devices lists them)"))
     elif name == "lmcache":
-        from kvdisagg.config import LMCACHE_URL
+        from kvdisagg.connector.config import LMCACHE_URL
 
         url = getattr(config, "lmcache_url", "")
         match = LMCACHE_URL.fullmatch(url or "")
@@ -259,7 +261,7 @@ def check_transport(name: str, config: ConnectorConfig | None = None,
 
 def _hello(host: str, port: int, kv_layout: str, transport: str, timeout_s: float) -> Any:
     """One control Hello; the Reply (raises OSError / TransportError)."""
-    from kvdisagg.protocol import Hello, recv_frame, send_frame
+    from kvdisagg.connector.protocol.frames import Hello, recv_frame, send_frame
 
     with socket.create_connection((host, port), timeout=timeout_s) as sock:
         sock.settimeout(timeout_s)
@@ -275,8 +277,8 @@ def check_side_channel(address: str, *, transport: str = "tcp", kv_layout: str |
     Without ``kv_layout`` a first Hello with a layout no prefill has learns prefill's own
     (a refusal carries it), and a second one with that layout checks version and transport.
     """
+    from kvdisagg.connector.protocol.frames import Reply
     from kvdisagg.errors import ConfigError, TransportError
-    from kvdisagg.protocol import Reply
     from kvdisagg.transport.base import transport_class
 
     check = "side-channel"

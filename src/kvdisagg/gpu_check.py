@@ -81,7 +81,7 @@ class _Checks:
     """The checks on one device (``cuda``, or ``cpu`` for the smoke run)."""
 
     def __init__(self, device: str) -> None:
-        from kvdisagg.layout import KvGeometry
+        from kvdisagg.connector.layout import KvGeometry
 
         self.device = device
         self.geometry = KvGeometry(model="gpu-check", dtype="float16", kv_dtype="torch.float16",
@@ -107,9 +107,9 @@ class _Checks:
         import msgspec
         import torch
 
-        from kvdisagg.config import ConnectorConfig
-        from kvdisagg.layout import layer_regions
-        from kvdisagg.sharding import Shape, plan
+        from kvdisagg.connector.config import ConnectorConfig
+        from kvdisagg.connector.layout import layer_regions
+        from kvdisagg.connector.sharding import Shape, plan
         from kvdisagg.transport import Fetch, Offer, load_transport
 
         config = msgspec.convert({"transport": "tcp", "transfer_timeout_seconds": 10.0},
@@ -141,7 +141,7 @@ class _Checks:
     def transport(self, regions: list[Any]) -> NcclTransport:
         """A side as the worker attaches it: NCCL and CudaSync on CUDA, gloo and HostSync on
         CPU."""
-        from kvdisagg.config import ConnectorConfig
+        from kvdisagg.connector.config import ConnectorConfig
         from kvdisagg.transport.nccl import NcclTransport
 
         side = NcclTransport(ConnectorConfig())
@@ -152,7 +152,7 @@ class _Checks:
     def nccl_gather(self, staged: bool) -> bool:
         import torch
 
-        from kvdisagg.layout import copy_runs, layer_regions, pull_slices, with_arena
+        from kvdisagg.connector.layout import copy_runs, layer_regions, pull_slices, with_arena
         from kvdisagg.transport.pull import Deadline, PullPlan
 
         src_regions = layer_regions(self.caches([0, 1], seed=2))
@@ -190,8 +190,8 @@ class _Checks:
         that lands after the deadline: a TransferTimeout within it, not a hang."""
         import torch
 
+        from kvdisagg.connector.layout import copy_runs, layer_regions, pull_slices
         from kvdisagg.errors import TransferTimeout
-        from kvdisagg.layout import copy_runs, layer_regions, pull_slices
         from kvdisagg.transport.pull import Deadline, PullPlan
 
         cuda = self.device == "cuda"

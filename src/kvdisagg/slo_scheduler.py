@@ -24,9 +24,10 @@ Settings are a frozen ``SchedulerSettings``, read once from
 ``kv_transfer_config.kv_connector_extra_config["scheduler"]``, else from the JSON in
 ``KVDISAGG_SCHEDULER``, else defaults. ``policy: "stock"`` leaves vLLM's behaviour untouched.
 
-This module may import vllm, kvdisagg.errors and kvdisagg.protocol; it must not import torch,
-kvdisagg.transport or kvdisagg.connector (it reads vLLM's scheduler state only, never the
-connector's).
+This module may import vllm, kvdisagg.errors, the connector's HTTP contract
+(kvdisagg.connector.protocol.params: the request's SLO key) and the counters it exports through
+the connector's stats (kvdisagg.connector.stats); it must not import torch, kvdisagg.transport or
+the rest of kvdisagg.connector (it reads vLLM's scheduler state only, never the connector's).
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from kvdisagg.compat._vllm import paused_new
+from kvdisagg.connector.protocol.params import SLO_PARAMS_KEY, RequestSlo
 from kvdisagg.connector.stats import PROM_COUNTERS, SloStats
 from kvdisagg.errors import ConfigError
-from kvdisagg.protocol import SLO_PARAMS_KEY, RequestSlo
 
 __all__ = ["ENV_VAR", "EXTRA_CONFIG_KEY", "PROM_COUNTERS", "SLO_PARAMS_KEY", "AsyncSloScheduler",
            "RequestSlo", "SchedulerSettings", "SloScheduler", "SloStats", "load_settings",

@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
+from kvdisagg.connector.protocol.versions import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
 from kvdisagg.local.fleet import Fleet, kv_transfer_args, running_proxy
 from kvdisagg.local.servers import VllmServer
-from kvdisagg.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
 
 from .conftest import (
     LOG_DIR,

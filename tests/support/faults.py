@@ -15,8 +15,8 @@ import os
 import socket
 from typing import Any
 
-from kvdisagg.layout import LayerRegion, span_tensor, spans
-from kvdisagg.protocol import recv_into_views
+from kvdisagg.connector.layout import LayerRegion, span_tensor, spans
+from kvdisagg.connector.protocol.sockets import recv_into_views
 from kvdisagg.transport.pull import Deadline, PullPlan
 from kvdisagg.transport.tcp import TcpTransport
 

@@ -1,7 +1,8 @@
 """Side-channel messages of protocol version 4, as release 4 defined them (src/kvdisagg/protocol.py
 at commit 2513288, docstrings left out): what a peer of that release encodes and decodes, so
-tests can check that this release speaks 4 (tests/unit/test_protocol.py: the frames;
-tests/unit/transport/test_pull.py: a pull over a real socket)."""
+tests can check that this release speaks 4 (tests/unit/connector/protocol/test_frames.py: the
+frames; tests/unit/transport/test_pull.py: a pull over a real socket). Release 4's frames are
+in kvdisagg/connector/protocol/frames.py now."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from kvdisagg.layout import KvGeometry
+from kvdisagg.connector.layout import KvGeometry
 
 
 class V4Hello(msgspec.Struct, tag="Hello", frozen=True, kw_only=True):

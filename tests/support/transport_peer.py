@@ -31,9 +31,9 @@ from typing import Any
 import msgspec
 import torch
 
-from kvdisagg.config import ConnectorConfig
-from kvdisagg.layout import KvGeometry, layer_regions, stage_into, with_arena
-from kvdisagg.sharding import Shape
+from kvdisagg.connector.config import ConnectorConfig
+from kvdisagg.connector.layout import KvGeometry, layer_regions, stage_into, with_arena
+from kvdisagg.connector.sharding import Shape
 from kvdisagg.transport import Offer, Transport, load_transport
 
 KV_LAYOUT = "conformance"

@@ -83,8 +83,8 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvdisagg.connector.connector import DisaggConnector
 from kvdisagg.connector.metadata import DisaggMetadata, LoadSpec, SendSpec, WorkerHandshake
+from kvdisagg.connector.protocol.params import handoff_params
 from kvdisagg.connector.scheduler import DisaggScheduler
-from kvdisagg.protocol import handoff_params
 
 _VLLM_SCHEDULER = Scheduler
 EOS_TOKEN_ID = 2
@@ -499,8 +499,9 @@ def remote_prefill_params(h: SchedulerHarness, num_tokens: int, *,
                           request_id: str = "prefill-req", token: str = "tok",
                           host: str = "127.0.0.1", engine_id: str = "prefill-engine",
                           lease_s: float = 30.0) -> dict[str, Any]:
-    """kv_transfer_params as a prefill instance returns them (kvdisagg.protocol.handoff_params):
-    ``num_tokens`` prompt tokens in ``block_ids`` (default: as many blocks as they need)."""
+    """kv_transfer_params as a prefill instance returns them
+    (kvdisagg.connector.protocol.params.handoff_params): ``num_tokens`` prompt tokens in
+    ``block_ids`` (default: as many blocks as they need)."""
     if block_ids is None:
         block_ids = list(range(100, 100 + h.blocks_for(num_tokens)))
     if ports is None:

@@ -144,8 +144,8 @@ def test_a_continuation_is_detokenized_as_the_plain_instance_did() -> None:
     from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer
 
     from kvdisagg.compat._vllm_detokenizer import prime_continuations, resume_point
+    from kvdisagg.connector.protocol.params import RESUME_PARAMS_KEY
     from kvdisagg.local.tiny_model import ensure_tiny_model
-    from kvdisagg.protocol import RESUME_PARAMS_KEY
 
     tok = AutoTokenizer.from_pretrained(str(ensure_tiny_model()))
     prompt, out = [400, 7], [131, 106, 70, 71]  # "river$", then "é" in two bytes, "cd"

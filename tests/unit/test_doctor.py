@@ -74,7 +74,7 @@ def test_transport_that_cannot_import_fails(capsys):
 
 
 def test_lmcache_server_down_fails_within_bound():
-    from kvdisagg.config import parse_config
+    from kvdisagg.connector.config import parse_config
 
     port = free_port()
     config = parse_config({"transport": "lmcache", "lmcache_url": f"lm://127.0.0.1:{port}"})

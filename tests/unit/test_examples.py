@@ -23,7 +23,7 @@ import msgspec
 import pytest
 import yaml
 
-from kvdisagg.config import parse_config
+from kvdisagg.connector.config import parse_config
 from kvdisagg.proxy import admin_cli
 from kvdisagg.proxy.cli import add_arguments
 from kvdisagg.proxy.config import load_config_file

@@ -369,7 +369,7 @@ def test_stock_policy_schedules_exactly_like_vllm(make, async_scheduling):
 
 def test_connector_config_accepts_the_scheduler_key():
     """The plugin's settings ride in kv_connector_extra_config next to the connector's own."""
-    from kvdisagg.config import parse_config
+    from kvdisagg.connector.config import parse_config
 
     cfg = parse_config({"transport": "tcp", "scheduler": {"ttft_s": 1.0}})
     assert cfg.scheduler == {"ttft_s": 1.0}

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvdisagg.protocol import RESUME_PARAMS_KEY
+from kvdisagg.connector.protocol.params import RESUME_PARAMS_KEY
 
 
 def resume_point(request: Any) -> int | None:

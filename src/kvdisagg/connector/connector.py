@@ -11,7 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvdisagg.config import ConnectorConfig, parse_config
+from kvdisagg.connector.config import ConnectorConfig, parse_config
 from kvdisagg.connector.metadata import DisaggMetadata, DisaggWorkerMeta
 
 if TYPE_CHECKING:

@@ -19,10 +19,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from kvdisagg.errors import KvDisaggError
-from kvdisagg.layout import KvGeometry
-from kvdisagg.protocol import (
-    PROTOCOL_VERSION,
+from kvdisagg.connector.layout import KvGeometry
+from kvdisagg.connector.protocol.frames import (
     Done,
     HandoffRef,
     Hello,
@@ -32,7 +30,9 @@ from kvdisagg.protocol import (
     recv_frame,
     send_frame,
 )
-from kvdisagg.threads import start_thread
+from kvdisagg.connector.protocol.versions import PROTOCOL_VERSION
+from kvdisagg.connector.threads import start_thread
+from kvdisagg.errors import KvDisaggError
 
 logger = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvdisagg.layout import KvGeometry
-from kvdisagg.protocol import PROTOCOL_VERSION
-from kvdisagg.sharding import Part, Shape
+from kvdisagg.connector.layout import KvGeometry
+from kvdisagg.connector.protocol.versions import PROTOCOL_VERSION
+from kvdisagg.connector.sharding import Part, Shape
 
 
 @dataclass(frozen=True)

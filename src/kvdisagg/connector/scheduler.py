@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvdisagg.config import ConnectorConfig
+from kvdisagg.connector.config import ConnectorConfig
 from kvdisagg.connector.leases import Held, LeaseKeeper
 from kvdisagg.connector.metadata import (
     DisaggMetadata,
@@ -47,19 +47,21 @@ from kvdisagg.connector.metadata import (
     SendSpec,
     WorkerHandshake,
 )
-from kvdisagg.connector.retire import Retirement
-from kvdisagg.connector.stats import DisaggStats
-from kvdisagg.protocol import (
-    EARLY_HANDOFF_VERSION,
+from kvdisagg.connector.protocol.params import (
     EARLY_PARAMS_KEY,
-    PROTOCOL_VERSION,
     EarlyHandoff,
     RemotePrefill,
-    Versions,
     handoff_params,
+)
+from kvdisagg.connector.protocol.versions import (
+    EARLY_HANDOFF_VERSION,
+    PROTOCOL_VERSION,
+    Versions,
     spoken,
 )
-from kvdisagg.sharding import Shape, check, plan
+from kvdisagg.connector.retire import Retirement
+from kvdisagg.connector.sharding import Shape, check, plan
+from kvdisagg.connector.stats import DisaggStats
 from kvdisagg.tracing import TRACE_PARAMS_KEY, Tracer, end, traceparent_of, valid_traceparent
 
 if TYPE_CHECKING:

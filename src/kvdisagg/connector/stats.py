@@ -18,8 +18,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from kvdisagg.config import parse_config
-from kvdisagg.protocol import Versions, spoken
+from kvdisagg.connector.config import parse_config
+from kvdisagg.connector.protocol.versions import Versions, spoken
 
 
 class SloStats(NamedTuple):

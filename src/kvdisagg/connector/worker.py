@@ -18,13 +18,19 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from kvdisagg.config import ConnectorConfig
+from kvdisagg.connector.config import ConnectorConfig
+from kvdisagg.connector.layout import (
+    LayerRegion,
+    geometry_of,
+    layer_regions,
+    stage_into,
+    with_arena,
+)
 from kvdisagg.connector.metadata import DisaggMetadata, DisaggWorkerMeta, LoadSpec, WorkerHandshake
+from kvdisagg.connector.sharding import Shape
 from kvdisagg.connector.stats import DisaggStats
+from kvdisagg.connector.threads import unbind_current_thread
 from kvdisagg.errors import ChecksumMismatch, KvDisaggError
-from kvdisagg.layout import LayerRegion, geometry_of, layer_regions, stage_into, with_arena
-from kvdisagg.sharding import Shape
-from kvdisagg.threads import unbind_current_thread
 from kvdisagg.tracing import Tracer, end, now_ns, traceparent_of
 from kvdisagg.transport import Fetch, Offer, PullTiming, load_transport
 

@@ -78,8 +78,9 @@ class Launch(NamedTuple):
 
 def unserved(placement: Placement, gpus_per_node: int) -> str:
     """'' if DisaggConnector serves ``placement`` on nodes of ``gpus_per_node`` devices, else
-    why not. Any TP and PP on either side is served (sharding.py); an instance spanning nodes
-    is not: kv_transfer_params name one side-channel host for all of a prefill's ranks."""
+    why not. Any TP and PP on either side is served (connector/sharding.py); an instance
+    spanning nodes is not: kv_transfer_params name one side-channel host for all of a
+    prefill's ranks."""
     if isinstance(placement, Colocated):
         sides = [("colocated", placement.tp * placement.pp)]
     else:

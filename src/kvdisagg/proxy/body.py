@@ -18,8 +18,13 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from kvdisagg.connector.protocol.params import (
+    EARLY_PARAMS_KEY,
+    RESUME_PARAMS_KEY,
+    SLO_PARAMS_KEY,
+    RequestSlo,
+)
 from kvdisagg.errors import BodyError
-from kvdisagg.protocol import EARLY_PARAMS_KEY, RESUME_PARAMS_KEY, SLO_PARAMS_KEY, RequestSlo
 from kvdisagg.proxy import contract
 from kvdisagg.proxy.policies import RouteRequest
 from kvdisagg.tracing import TRACE_PARAMS_KEY

@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from aiohttp import web
 
-from kvdisagg.protocol import EARLY_HANDOFF_VERSION, RemotePrefill
+from kvdisagg.connector.protocol.params import RemotePrefill
+from kvdisagg.connector.protocol.versions import EARLY_HANDOFF_VERSION
 from kvdisagg.proxy.decide import Decision
 from kvdisagg.proxy.decode import Opened, attempt
 from kvdisagg.proxy.legs import LegFailure

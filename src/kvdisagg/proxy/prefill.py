@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from aiohttp import web
 
+from kvdisagg.connector.protocol.versions import Versions
 from kvdisagg.errors import UpstreamError
-from kvdisagg.protocol import Versions
 from kvdisagg.proxy import body as bodies
 from kvdisagg.proxy.legs import (
     RETRYABLE_STATUS,

@@ -36,8 +36,8 @@ from collections.abc import Callable
 
 import msgspec
 
+from kvdisagg.connector.protocol.versions import Versions
 from kvdisagg.errors import UpstreamError, UpstreamTimeout
-from kvdisagg.protocol import Versions
 from kvdisagg.proxy.breaker import BreakerState, CircuitBreaker
 from kvdisagg.proxy.config import InstanceSpec, ProxyConfig
 from kvdisagg.proxy.types import Role, Side

@@ -21,13 +21,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from kvdisagg.connector.protocol.versions import PROTOCOL_VERSION
 from kvdisagg.errors import ConfigError
-from kvdisagg.protocol import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
-    from kvdisagg.config import ConnectorConfig
-    from kvdisagg.layout import KvGeometry, LayerRegion
-    from kvdisagg.sharding import Part, Shape
+    from kvdisagg.connector.config import ConnectorConfig
+    from kvdisagg.connector.layout import KvGeometry, LayerRegion
+    from kvdisagg.connector.sharding import Part, Shape
     from kvdisagg.tracing import Tracer
 
 
@@ -48,9 +48,10 @@ class Fetch:
     """Decode: fill ``local_block_ids`` with prefill's ``remote_block_ids`` (same length; may be
     empty: then only release). ``first_block`` is the index of the first one in the prompt.
 
-    ``part``: the layers and heads to read from the prefill worker at ``port`` (sharding.py;
-    no layers: only release it); None: all of this worker's layers and heads (both instances
-    sharded alike). ``prefill``: the prefill instance's shape (store keys; None: this one's)."""
+    ``part``: the layers and heads to read from the prefill worker at ``port``
+    (connector/sharding.py; no layers: only release it); None: all of this worker's layers and
+    heads (both instances sharded alike). ``prefill``: the prefill instance's shape (store keys;
+    None: this one's)."""
 
     handoff_id: str
     token: str

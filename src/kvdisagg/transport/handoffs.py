@@ -10,8 +10,8 @@ being read is pinned so its lease cannot expire under the reader. The decode tha
 handoff renews its lease while the request waits in its queue (Renew), so a lease runs out only
 when that decode went away.
 
-A handoff read by several decode workers (another TP or PP on decode, sharding.py) is freed
-after the last of them said Done: each Done names how many readers there are.
+A handoff read by several decode workers (another TP or PP on decode, connector/sharding.py) is
+freed after the last of them said Done: each Done names how many readers there are.
 
 A Read may come before its handoff (the offer reaches the worker with the next engine step):
 it waits for it as long as the engine makes progress (a step running, or one ended less than

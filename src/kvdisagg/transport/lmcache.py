@@ -15,12 +15,12 @@ server stores; nothing here is a copy of its protocol.
 
 Chunks are per prefill rank (its layers, its heads), keyed by the prefill instance's shape
 (TP, PP stages) and the rank: a decode rank of another shape fetches the chunks of the prefill
-ranks its Parts name (sharding.py) and keeps the layers and heads it holds.
+ranks its Parts name (connector/sharding.py) and keeps the layers and heads it holds.
 
-A stored chunk is its pages followed by a trailer (integrity.py): the ``xxh3_64`` digest of
-the pages as prefill stored them (or a marker saying it has none, with ``kv_checksum`` off), and
-decode checks it after the GET, before the load is reported done; the key names this format
-(``CHUNK_FORMAT``), so chunks of another one are never read as pages.
+A stored chunk is its pages followed by a trailer (connector/integrity.py): the ``xxh3_64``
+digest of the pages as prefill stored them (or a marker saying it has none, with ``kv_checksum``
+off), and decode checks it after the GET, before the load is reported done; the key names this
+format (``CHUNK_FORMAT``), so chunks of another one are never read as pages.
 
 The server trusts its clients (any client can read any key) and its CPU backend never evicts:
 run it on the serving network only, sized for the working set (docs/operations.md).
@@ -49,17 +49,9 @@ from lmcache.v1.protocol import (
     ServerReturnCode,
 )
 
-from kvdisagg.config import LMCACHE_URL, ConnectorConfig
-from kvdisagg.errors import (
-    ChecksumMismatch,
-    ConfigError,
-    PeerUnreachable,
-    TransferFailed,
-    TransferTimeout,
-    TransportError,
-)
-from kvdisagg.integrity import TRAILER_BYTES, digest_views, pack_trailer, unpack_trailer
-from kvdisagg.layout import (
+from kvdisagg.connector.config import LMCACHE_URL, ConnectorConfig
+from kvdisagg.connector.integrity import TRAILER_BYTES, digest_views, pack_trailer, unpack_trailer
+from kvdisagg.connector.layout import (
     KvGeometry,
     LayerRegion,
     check_blocks,
@@ -68,8 +60,16 @@ from kvdisagg.layout import (
     spans,
     whole_slices,
 )
-from kvdisagg.protocol import recv_into_exact, recv_into_views, send_views
-from kvdisagg.sharding import Shape
+from kvdisagg.connector.protocol.sockets import recv_into_exact, recv_into_views, send_views
+from kvdisagg.connector.sharding import Shape
+from kvdisagg.errors import (
+    ChecksumMismatch,
+    ConfigError,
+    PeerUnreachable,
+    TransferFailed,
+    TransferTimeout,
+    TransportError,
+)
 from kvdisagg.tracing import Tracer
 from kvdisagg.transport.base import Fetch, Offer, PullTiming
 from kvdisagg.transport.pull import Deadline

@@ -21,9 +21,9 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from kvdisagg.config import MOONCAKE_MAX_PORT, MOONCAKE_PORTS_PER_RANK, rank_port
+from kvdisagg.connector.config import MOONCAKE_MAX_PORT, MOONCAKE_PORTS_PER_RANK, rank_port
+from kvdisagg.connector.layout import LayerRegion, Slice
 from kvdisagg.errors import ConfigError, IncompatiblePeerError, TransferFailed
-from kvdisagg.layout import LayerRegion, Slice
 from kvdisagg.transport.pull import Deadline, PullPlan, PullTransport
 
 MAX_BATCH = 512  # the TCP transport fails batches over ~1k entries at once ("queue-full")

@@ -65,9 +65,9 @@ import torch
 import torch.distributed as dist
 
 from kvdisagg.compat._torch import pair_group
-from kvdisagg.config import rank_port
+from kvdisagg.connector.config import rank_port
+from kvdisagg.connector.layout import CopyRun, LayerRegion, Slice
 from kvdisagg.errors import ConfigError, IncompatiblePeerError, TransferFailed, TransferTimeout
-from kvdisagg.layout import CopyRun, LayerRegion, Slice
 from kvdisagg.transport.pull import Deadline, PullPlan, PullTransport
 
 MESSAGE_BYTES = {"gloo": 4 << 20, "nccl": 32 << 20}
@@ -96,7 +96,7 @@ def plan_messages(runs: Sequence[CopyRun], side: str, page_bytes: Sequence[int],
     holds the same rows, in the same order, on both: prefill's ids on ``side="src"``, decode's
     on ``"dst"``. Layers are packed together while they fit; a layer that does not fit is split.
 
-    >>> from kvdisagg.layout import copy_runs
+    >>> from kvdisagg.connector.layout import copy_runs
     >>> runs = copy_runs(2, [3, 4, 9], [0, 1, 2])
     >>> plan_messages(runs, "src", [8, 8], 48)
     [[Segment(layer=0, ids=[3, 4, 9]), Segment(layer=1, ids=[3, 4, 9])]]

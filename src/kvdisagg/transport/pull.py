@@ -1,8 +1,8 @@
 """Pull transports: prefill keeps the blocks, decode reads them, then prefill frees them.
 
 The control path is the same for every pull transport: a side channel (TCP, length-prefixed
-msgpack frames, protocol.py) between each decode worker and each prefill worker it reads from,
-opened once and kept:
+msgpack frames, connector/protocol/frames.py) between each decode worker and each prefill worker
+it reads from, opened once and kept:
 
     decode                               prefill
     Hello(version, layout,          ->   check (a refusal names what differs); Reply(info)
@@ -17,15 +17,15 @@ opened once and kept:
     Done(handoff, token, readers,   ->   unpin; free once ``readers`` Dones came  (one-way)
          checksum_ok)
 
-A decode worker reads the layers and heads its Part names (sharding.py) from each prefill
-worker it needs; a Part with no layers only sends Done (a replica no decode worker reads).
+A decode worker reads the layers and heads its Part names (connector/sharding.py) from each
+prefill worker it needs; a Part with no layers only sends Done (a replica no decode worker reads).
 
-Checksums (integrity.py) are computed here for every pull transport, over each side's own KV
-memory (the spans of its layers and heads, in stream order): prefill after its send() (for a
-one-sided read, while decode reads the pinned blocks), decode after its recv(), before it reads
-prefill's frame, so the two hash at once. A mismatch fails the pull with ChecksumMismatch after
-Done (prefill frees the handoff; the load is reported failed and vLLM's kv_load_failure_policy
-applies).
+Checksums (connector/integrity.py) are computed here for every pull transport, over each side's
+own KV memory (the spans of its layers and heads, in stream order): prefill after its send()
+(for a one-sided read, while decode reads the pinned blocks), decode after its recv(), before it
+reads prefill's frame, so the two hash at once. A mismatch fails the pull with ChecksumMismatch
+after Done (prefill frees the handoff; the load is reported failed and vLLM's
+kv_load_failure_policy applies).
 
 Decode's scheduler keeps the handoffs it holds alive over a control connection of its own
 (Hello with ``control``; no transport peer is set up for it):
@@ -61,17 +61,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
-from kvdisagg.config import ConnectorConfig
-from kvdisagg.errors import (
-    ChecksumMismatch,
-    IncompatiblePeerError,
-    PeerUnreachable,
-    TransferFailed,
-    TransferTimeout,
-    TransportError,
-)
-from kvdisagg.integrity import ALGORITHMS, Digester
-from kvdisagg.layout import (
+from kvdisagg.connector.config import ConnectorConfig
+from kvdisagg.connector.integrity import ALGORITHMS, Digester
+from kvdisagg.connector.layout import (
     CopyRun,
     KvGeometry,
     LayerRegion,
@@ -82,7 +74,7 @@ from kvdisagg.layout import (
     run_bytes,
     whole_slices,
 )
-from kvdisagg.protocol import (
+from kvdisagg.connector.protocol.frames import (
     Checksum,
     Done,
     Hello,
@@ -93,9 +85,17 @@ from kvdisagg.protocol import (
     encode_frame,
     recv_frame,
     send_frame,
-    spoken,
 )
-from kvdisagg.threads import start_thread
+from kvdisagg.connector.protocol.versions import spoken
+from kvdisagg.connector.threads import start_thread
+from kvdisagg.errors import (
+    ChecksumMismatch,
+    IncompatiblePeerError,
+    PeerUnreachable,
+    TransferFailed,
+    TransferTimeout,
+    TransportError,
+)
 from kvdisagg.tracing import Tracer, now_ns
 from kvdisagg.transport.base import Fetch, Offer, PullTiming
 from kvdisagg.transport.handoffs import HandoffTable

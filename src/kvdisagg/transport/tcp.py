@@ -12,8 +12,8 @@ import socket
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
-from kvdisagg.layout import LayerRegion, span_tensor, spans
-from kvdisagg.protocol import recv_into_views, send_views
+from kvdisagg.connector.layout import LayerRegion, span_tensor, spans
+from kvdisagg.connector.protocol.sockets import recv_into_views, send_views
 from kvdisagg.transport.pull import Deadline, PullPlan, PullTransport
 
 

@@ -16,7 +16,15 @@ pytest.importorskip("vllm")
 from vllm.v1.request import RequestStatus
 
 from kvdisagg.connector.leases import Held
-from kvdisagg.protocol import Done, Hello, Message, Renew, Reply, recv_frame, send_frame
+from kvdisagg.connector.protocol.frames import (
+    Done,
+    Hello,
+    Message,
+    Renew,
+    Reply,
+    recv_frame,
+    send_frame,
+)
 from tests.support.vllm_harness import KV_LAYOUT, TRANSPORT, remote_prefill_params
 
 

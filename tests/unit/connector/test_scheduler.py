@@ -23,7 +23,8 @@ from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
 from kvdisagg.connector.metadata import DisaggWorkerMeta, WorkerHandshake
-from kvdisagg.protocol import SPOKEN, RemotePrefill, Versions
+from kvdisagg.connector.protocol.params import RemotePrefill
+from kvdisagg.connector.protocol.versions import SPOKEN, Versions
 from tests.support.vllm_harness import (
     HANDSHAKE_PORT,
     KV_LAYOUT,

@@ -38,8 +38,8 @@ def test_the_instance_exports_the_protocol_versions_it_speaks_as_the_proxy_reads
 
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+    from kvdisagg.connector.protocol.versions import SPOKEN, Versions
     from kvdisagg.connector.stats import DisaggPromMetrics
-    from kvdisagg.protocol import SPOKEN, Versions
     from kvdisagg.proxy.registry import parse_protocol
 
     for extra, want in (({}, SPOKEN), ({"protocol_version_override": 9}, Versions(9, 9))):

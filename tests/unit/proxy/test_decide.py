@@ -387,7 +387,7 @@ def test_a_handoff_from_a_prefill_whose_versions_were_stale_goes_to_a_decode_tha
     from its handoff params only: the first handoff of p0, upgraded to 6, goes to d1 (6) rather
     than the chosen d0 (4..5), and so does every later one; with no decode left that speaks 6,
     decode computes the prompt itself (``no_compatible_decode``)."""
-    from kvdisagg.protocol import Versions
+    from kvdisagg.connector.protocol.versions import Versions
     from kvdisagg.proxy.app import REGISTRY
 
     async def t() -> None:

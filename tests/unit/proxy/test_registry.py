@@ -28,7 +28,7 @@ def test_the_registry_tells_its_listeners_of_members() -> None:
 
 
 def test_an_instances_protocol_versions_from_its_gauges_and_from_handoff_params() -> None:
-    from kvdisagg.protocol import Versions
+    from kvdisagg.connector.protocol.versions import Versions
     from kvdisagg.proxy.registry import handoff_versions, parse_protocol
 
     both = (b'# HELP vllm:kvdisagg_protocol_version The newest ...\n'

@@ -15,10 +15,10 @@ import msgspec
 import pytest
 import torch
 
-from kvdisagg.config import ConnectorConfig
+from kvdisagg.connector.config import ConnectorConfig
+from kvdisagg.connector.sharding import Shape, plan
 from kvdisagg.errors import ChecksumMismatch, IncompatiblePeerError, TransportError
 from kvdisagg.local.servers import LMCacheServer, free_port
-from kvdisagg.sharding import Shape, plan
 from kvdisagg.transport import Fetch, PullTiming
 from tests.support.transport_peer import (
     BLOCK_SIZE,

@@ -12,9 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvdisagg.config import ConnectorConfig
-from kvdisagg.errors import TransferFailed
-from kvdisagg.layout import (
+from kvdisagg.connector.config import ConnectorConfig
+from kvdisagg.connector.layout import (
     LayerRegion,
     copy_runs,
     layer_regions,
@@ -22,6 +21,7 @@ from kvdisagg.layout import (
     whole_slices,
     with_arena,
 )
+from kvdisagg.errors import TransferFailed
 from kvdisagg.transport import nccl
 from kvdisagg.transport.base import TRANSPORTS, transport_class
 from kvdisagg.transport.mooncake import JoinedReads, MemoryInfo, MooncakeTransport, _address

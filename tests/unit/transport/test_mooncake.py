@@ -25,7 +25,7 @@ import msgspec
 import pytest
 import torch
 
-from kvdisagg.config import MOONCAKE_MAX_PORT, ConnectorConfig
+from kvdisagg.connector.config import MOONCAKE_MAX_PORT, ConnectorConfig
 from kvdisagg.errors import ConfigError
 from kvdisagg.transport import Fetch, mooncake
 from kvdisagg.transport.mooncake import JoinedReads, bound_ports, check_devices
@@ -221,7 +221,7 @@ def test_prefill_engine_and_side_channel_listen_on_the_configured_ports() -> Non
 
 DECODE = """
 import json, os, sys
-from kvdisagg.config import MOONCAKE_MAX_PORT, ConnectorConfig
+from kvdisagg.connector.config import MOONCAKE_MAX_PORT, ConnectorConfig
 from tests.support.ports import listening
 from tests.support.transport_peer import kv_caches, open_transport
 if sys.argv[2] == "preloaded":

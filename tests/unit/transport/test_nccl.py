@@ -24,9 +24,9 @@ import msgspec
 import pytest
 import torch
 
-from kvdisagg.config import ConnectorConfig
+from kvdisagg.connector.config import ConnectorConfig
+from kvdisagg.connector.layout import LayerRegion, copy_runs, layer_regions, whole_slices
 from kvdisagg.errors import ConfigError, TransferTimeout
-from kvdisagg.layout import LayerRegion, copy_runs, layer_regions, whole_slices
 from kvdisagg.transport import Fetch, Offer, nccl
 from kvdisagg.transport.nccl import CudaSync, HostSync, NcclTransport
 from kvdisagg.transport.pull import Deadline, PullPlan

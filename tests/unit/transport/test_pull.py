@@ -12,9 +12,10 @@ import msgspec
 import pytest
 import torch
 
-from kvdisagg.config import ConnectorConfig
+from kvdisagg.connector.config import ConnectorConfig
+from kvdisagg.connector.protocol.sockets import recv_exact
+from kvdisagg.connector.protocol.versions import PROTOCOL_VERSION, SPOKEN
 from kvdisagg.errors import IncompatiblePeerError
-from kvdisagg.protocol import PROTOCOL_VERSION, SPOKEN, recv_exact
 from kvdisagg.transport import Fetch
 from tests.support.protocol_v4 import V4Done, V4Hello, V4Message, V4Read, V4Reply
 from tests.support.transport_peer import KV_LAYOUT, PeerProcess, kv_caches, open_transport
@@ -85,8 +86,8 @@ def test_an_instance_announcing_another_version_speaks_only_that_one(decode):
 
 
 def test_a_decode_of_release_4_pulls_from_this_release():
-    """Frames as release 4 wrote and read them (tests/unit/test_protocol.py), over a real
-    socket: Hello of version 4, a Read without an early position, the bytes, Done."""
+    """Frames as release 4 wrote and read them (tests/unit/connector/protocol/test_frames.py),
+    over a real socket: Hello of version 4, a Read without an early position, the bytes, Done."""
     peer = prefill()
     try:
         token = peer.offer("old", [2, 3], list(range(20)))

@@ -1,8 +1,8 @@
-"""The connector's config (kvdisagg/config.py): defaults, and every bad key named."""
+"""The connector's config (kvdisagg/connector/config.py): defaults, and every bad key named."""
 
 import pytest
 
-from kvdisagg.config import ConnectorConfig, parse_config, rank_port
+from kvdisagg.connector.config import ConnectorConfig, parse_config, rank_port
 from kvdisagg.errors import ConfigError
 
 

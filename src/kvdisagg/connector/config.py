@@ -86,7 +86,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
     protocol_version_override: Annotated[int, msgspec.Meta(ge=1, le=1000)] | None = None
     """TEST ONLY: speak (and announce) this one side-channel protocol version instead of every
-    version this code speaks (protocol.py ``Versions``), so a test can run an instance that
+    version this code speaks (protocol/versions.py ``Versions``), so a test can run an instance that
     looks like another release: prefill's kv_transfer_params, the Hello decode sends, the
     versions prefill accepts and the ``vllm:kvdisagg_protocol_version*`` gauges all say it.
     The bytes stay this release's; never set it in production."""

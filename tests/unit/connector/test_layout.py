@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvdisagg.layout import copy_runs, layer_regions, stage_into, with_arena
+from kvdisagg.connector.layout import copy_runs, layer_regions, stage_into, with_arena
 
 
 def regions(num_blocks: int = 8, arena: int = 6):

@@ -30,7 +30,15 @@ from typing import Any
 
 import xxhash
 
-from kvdisagg.layout import CopyRun, LayerRegion, Slice, Span, span_tensor, spans, whole_slices
+from kvdisagg.connector.layout import (
+    CopyRun,
+    LayerRegion,
+    Slice,
+    Span,
+    span_tensor,
+    spans,
+    whole_slices,
+)
 
 
 class Algorithm(str, enum.Enum):

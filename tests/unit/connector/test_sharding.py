@@ -1,4 +1,4 @@
-"""The head/layer mapping between two instances' shards (kvdisagg.sharding), for every
+"""The head/layer mapping between two instances' shards (kvdisagg.connector.sharding), for every
 (prefill TP, PP) x (decode TP, PP) pair of up to 4 ranks per side: every decode rank gets each
 (layer, head) it holds exactly once, from a prefill rank that holds it, and every prefill rank is
 released by exactly as many Dones as it waits for."""
@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 
-from kvdisagg.sharding import Part, Shape, check, even_stages, parts, plan
+from kvdisagg.connector.sharding import Part, Shape, check, even_stages, parts, plan
 
 RANKS = 4
 SHAPES = [(tp, pp) for tp in range(1, RANKS + 1) for pp in range(1, RANKS + 1)

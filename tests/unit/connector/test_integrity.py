@@ -1,5 +1,5 @@
-"""KV checksums (kvdisagg.integrity): a pull's stream hashes the same on both sides, whatever
-their layouts, and any change of a byte shows."""
+"""KV checksums (kvdisagg.connector.integrity): a pull's stream hashes the same on both sides,
+whatever their layouts, and any change of a byte shows."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 import xxhash
 
-from kvdisagg.integrity import (
+from kvdisagg.connector.integrity import (
     TRAILER_BYTES,
     Algorithm,
     Digester,
@@ -20,8 +20,9 @@ from kvdisagg.integrity import (
     unpack_trailer,
     wsum64,
 )
-from kvdisagg.layout import copy_runs, layer_regions, stage_into, with_arena
-from kvdisagg.protocol import PROTOCOL_VERSION, Checksum, Done, Read, encode_frame
+from kvdisagg.connector.layout import copy_runs, layer_regions, stage_into, with_arena
+from kvdisagg.connector.protocol.frames import Checksum, Done, Read, encode_frame
+from kvdisagg.connector.protocol.versions import PROTOCOL_VERSION
 from tests.support.transport_peer import kv_caches
 
 
