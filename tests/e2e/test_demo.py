@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from kvdisagg.demo import explain
+from kvdisagg.cli.demo import explain
 
 from .conftest import LOG_DIR
 

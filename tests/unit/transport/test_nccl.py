@@ -9,7 +9,7 @@ recorded on the KV's stream -> the host saw the event done -> only then ``recv``
 load is reported done (Done to prefill, ``fetch`` returns); the same for ``send`` before prefill
 may free its blocks; and a transfer that never completes raises TransferTimeout within the
 deadline instead of hanging. The bytes themselves are moved by the conformance and data-path
-tests, and on a GPU by ``kvdisagg gpu-check`` (kvdisagg/gpu_check.py).
+tests, and on a GPU by ``kvdisagg gpu-check`` (kvdisagg/cli/gpu_check.py).
 """
 
 from __future__ import annotations

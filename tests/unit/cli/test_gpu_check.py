@@ -27,7 +27,7 @@ def test_without_cuda_it_says_so_and_exits_2(capsys: pytest.CaptureFixture[str])
 
 def test_a_failed_check_fails_the_command(monkeypatch: pytest.MonkeyPatch,
                                            capsys: pytest.CaptureFixture[str]) -> None:
-    from kvdisagg import gpu_check
+    from kvdisagg.cli import gpu_check
 
     monkeypatch.setattr(gpu_check._Checks, "nccl_landed",
                         lambda self: gpu_check._check("nccl: broken on purpose", False))

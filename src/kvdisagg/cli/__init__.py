@@ -4,6 +4,15 @@ A command module exposes ``add_arguments(parser)`` and ``run(args) -> int``; its
 lives here, so ``kvdisagg --help`` imports no command and ``kvdisagg CMD`` imports only CMD's
 module (which keeps its heavy imports inside ``run``).
 
+Where the commands live: a command that is one part's front end lives in that part (``proxy``
+and ``admin`` in proxy/, ``bench`` and ``profile`` in bench/, ``plan`` and ``simulate`` in
+planner/, ``tiny-model`` in local/). The commands that serve no one part but check or show them
+together live here, beside the dispatcher: ``demo.py`` (the local fleet, the proxy and bench's
+parsing, end to end), ``doctor.py`` (vLLM, the plugin, the connector's config and transports, a
+fleet) and ``gpu_check.py`` (the transports' CUDA data paths). One package for the command
+line rather than a ``tools/`` beside this module: they are commands and nothing else, so they
+sit with the table that names them. Run it as ``kvdisagg`` or ``python -m kvdisagg.cli``.
+
 Every failure ends as one line on stderr, ``kvdisagg CMD: what went wrong``, and a non-zero exit
 (``EXIT``), never a traceback: a ``KvDisaggError`` (its message names the fix), an ``OSError``
 (a file, a socket), Ctrl-C, or a command's own ``SystemExit("kvdisagg CMD: ...")``. Anything
@@ -45,7 +54,7 @@ COMMANDS: dict[str, Command] = {
         "kvdisagg.proxy.admin_cli",
         "call the proxy's admin API: list, add, drain, undrain, remove instances"),
     "demo": Command(
-        "kvdisagg.demo",
+        "kvdisagg.cli.demo",
         "P/D serving on a generated tiny model, with a report"),
     "tiny-model": Command(
         "kvdisagg.local.tiny_model",
@@ -63,10 +72,10 @@ COMMANDS: dict[str, Command] = {
         "kvdisagg.planner.simulate_cli",
         "simulate one placement: goodput per GPU, or attainment and tightest SLO scale at --rate"),
     "doctor": Command(
-        "kvdisagg.doctor",
+        "kvdisagg.cli.doctor",
         "preflight checks: vLLM and the plugin, connector config, transport, side channel, fleet"),
     "gpu-check": Command(
-        "kvdisagg.gpu_check",
+        "kvdisagg.cli.gpu_check",
         "check the CUDA data paths of a pull (tcp staging, nccl gather/scatter and sync) on "
         "one GPU"),
 }
@@ -117,6 +126,3 @@ def _failed(command: str, exc: Exception) -> int:
     print(f"kvdisagg {command}: {message}", file=sys.stderr)
     return status
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,8 +15,7 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from kvdisagg import doctor
-from kvdisagg.cli import main
+from kvdisagg.cli import doctor, main
 from kvdisagg.local.servers import free_port
 from tests.support.fake_vllm import FakeVllm
 from tests.support.transport_peer import KV_LAYOUT, PeerProcess

@@ -85,7 +85,7 @@ labels them (``pd`` or ``decode_only``, and the reason: docs/proxy.md)."""
 UNKNOWN = "?"
 
 # Every reason the proxy gives (decide.py, body.py, prefill.py), as a sentence;
-# tests/unit/test_demo.py keeps it in step with docs/proxy.md's list.
+# tests/unit/cli/test_demo.py keeps it in step with docs/proxy.md's list.
 WHY: dict[Why, str] = {
     ("pd", "uncached_prompt"):
         "disaggregated: more prompt tokens to compute than decode computes itself "

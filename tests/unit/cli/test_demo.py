@@ -1,4 +1,4 @@
-"""``kvdisagg demo``'s story of each request (kvdisagg/demo.py): the reason it prints is the one
+"""``kvdisagg demo``'s story of each request (kvdisagg/cli/demo.py): the reason it prints is the one
 the proxy gave, read from a real proxy's header and counter (fake vLLM upstreams), and every
 reason the proxy documents has its own sentence."""
 
@@ -8,11 +8,11 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from kvdisagg.demo import WHY, explain, reasons, routed
+from kvdisagg.cli.demo import WHY, explain, reasons, routed
 from kvdisagg.proxy.config import DecisionConfig
 from tests.support.proxy_harness import proxy, run
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "proxy.md"
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "proxy.md"
 
 
 def test_every_documented_reason_has_its_sentence() -> None:
