@@ -9,6 +9,8 @@ function-level import hides a circle, it does not remove it), but not under ``TY
 from __future__ import annotations
 
 import ast
+import functools
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,14 @@ def _type_checking(test: ast.expr) -> bool:
 def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     """The kvdisagg modules ``name`` imports, at run time."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    return {m for m in imported_names(path, package, known) if m in known and m != name}
+
+
+def imported_names(path: Path, package: str = "", known: Mapping[str, Path] | None = None,
+                   ) -> set[str]:
+    """The modules ``path`` imports at run time, kvdisagg's and others' (``package``: its own,
+    for relative imports; ``known``: kvdisagg's modules, to tell ``from pkg import sub``)."""
+    known = known or {}
     found: set[str] = set()
 
     class Visitor(ast.NodeVisitor):
@@ -56,10 +66,12 @@ def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
                 found.add(base)
 
     Visitor().visit(ast.parse(path.read_text()))
-    return {m for m in found if m in known and m != name}
+    return found
 
 
+@functools.cache
 def graph() -> dict[str, set[str]]:
+    """kvdisagg's modules and what each imports (parsed once per run: do not mutate it)."""
     known = modules()
     return {name: imports_of(name, path, known) for name, path in known.items()}
 
@@ -118,10 +130,32 @@ def reaches(g: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
+CONNECTOR_SIDES = tuple(f"kvdisagg.connector.{m}" for m in (
+    "connector", "scheduler", "worker", "metadata", "leases", "retire", "stats"))
+"""The connector's modules that run a side of it in vLLM (and import vLLM): the facade, its
+scheduler and worker sides and what they hand each other."""
+CONNECTOR_BASE = tuple(f"kvdisagg.connector.{m}" for m in (
+    "protocol", "config", "layout", "sharding", "integrity", "threads"))
+"""The connector's lower layer (connector/__init__.py): shared with kvdisagg.transport."""
+HTTP_CONTRACT = ("kvdisagg.connector.protocol.params", "kvdisagg.connector.protocol.versions")
+"""What the proxy may import of the connector: kv_transfer_params and the protocol's versions."""
+
+
 @pytest.mark.parametrize("module,forbidden", [
     # the connector's scheduler side runs in EngineCore: no torch, no byte movement
     ("kvdisagg.connector.scheduler", ("kvdisagg.transport",)),
     ("kvdisagg.connector.worker", ("kvdisagg.connector.scheduler",)),
+    # the transports move bytes below the connector's sides, never above them
+    *[(m, CONNECTOR_SIDES) for m in ("kvdisagg.transport.base", "kvdisagg.transport.pull",
+                                     "kvdisagg.transport.tcp", "kvdisagg.transport.nccl",
+                                     "kvdisagg.transport.mooncake", "kvdisagg.transport.lmcache")],
+    # the scheduler plugin reads vLLM's scheduler state and the request's SLO key, not handoffs
+    ("kvdisagg.slo_scheduler", ("kvdisagg.transport", "kvdisagg.proxy",
+                                "kvdisagg.connector.connector", "kvdisagg.connector.scheduler",
+                                "kvdisagg.connector.worker", "kvdisagg.connector.protocol.frames",
+                                "kvdisagg.connector.protocol.sockets")),
+    # doctor runs before vLLM is started: the connector's config and protocol, not its sides
+    ("kvdisagg.cli.doctor", ("kvdisagg.proxy", *CONNECTOR_SIDES)),
     # the proxy's vocabulary and config sit below everything else in the proxy
     ("kvdisagg.proxy.types", ("kvdisagg.proxy.",)),
     ("kvdisagg.proxy.config", ("kvdisagg.proxy.policies", "kvdisagg.proxy.registry",
@@ -129,5 +163,62 @@ def reaches(g: dict[str, set[str]], start: str) -> set[str]:
     ("kvdisagg.proxy.policies", ("kvdisagg.proxy.registry", "kvdisagg.proxy.serving")),
 ])
 def test_imports_run_one_way(module: str, forbidden: tuple[str, ...]) -> None:
+    assert module in graph(), f"{module} is gone: update this rule"
     reached = reaches(graph(), module)
     assert not [m for m in reached if m.startswith(forbidden)], sorted(reached)
+
+
+def test_the_connectors_lower_layer_imports_nothing_above_it() -> None:
+    g = graph()
+    for module in sorted(m for m in g if m.startswith(CONNECTOR_BASE)):
+        reached = reaches(g, module)
+        assert not [m for m in reached if m.startswith(
+            ("kvdisagg.transport", "kvdisagg.proxy", *CONNECTOR_SIDES))], (module, sorted(reached))
+
+
+def test_the_http_contract_stands_alone() -> None:
+    """kv_transfer_params and the versions import nothing of kvdisagg but each other: the proxy,
+    the scheduler plugin and vLLM's detokenizer patch import them."""
+    g = graph()
+    for module in HTTP_CONTRACT:
+        assert module in g
+        assert reaches(g, module) <= set(HTTP_CONTRACT), module
+
+
+def test_the_proxy_imports_of_the_connector_only_its_http_contract() -> None:
+    g = graph()
+    for module in sorted(m for m in g if m.startswith("kvdisagg.proxy")):
+        reached = {m for m in reaches(g, module)
+                   if m.startswith(("kvdisagg.connector", "kvdisagg.transport"))}
+        assert reached <= set(HTTP_CONTRACT), (module, sorted(reached))
+
+
+def test_the_command_dispatcher_imports_no_command() -> None:
+    """``kvdisagg --help`` imports no command module (kvdisagg/cli/__init__.py)."""
+    assert "kvdisagg.cli" in graph()
+    assert reaches(graph(), "kvdisagg.cli") <= {"kvdisagg.errors"}
+
+
+def imports_vllm(path: Path) -> bool:
+    """Whether ``path`` imports vllm at run time (at module level or in a function)."""
+    return any(m == "vllm" or m.startswith("vllm.") for m in imported_names(path))
+
+
+@pytest.mark.parametrize("package", ["kvdisagg.planner", "kvdisagg.bench", "kvdisagg.proxy",
+                                     "kvdisagg.cli", "kvdisagg.connector.protocol"])
+def test_runs_without_vllm(package: str) -> None:
+    """The planner and bench run on client machines, the proxy in its own image, the commands
+    of kvdisagg/cli/ before vLLM starts: none of them, nor anything they import, imports vllm."""
+    g, known = graph(), modules()
+    assert package in g
+    for module in sorted(m for m in g if m == package or m.startswith(package + ".")):
+        importers = [m for m in {module} | reaches(g, module) if imports_vllm(known[m])]
+        assert not importers, (module, sorted(importers))
+
+
+def test_the_vllm_check_can_fail(tmp_path: Path) -> None:
+    f = tmp_path / "m.py"
+    f.write_text("def f():\n    from vllm.config import VllmConfig\n")
+    assert imports_vllm(f)
+    f.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import vllm\n")
+    assert not imports_vllm(f)
