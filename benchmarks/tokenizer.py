@@ -37,8 +37,9 @@ from typing import Any
 
 from kvdisagg.local.servers import VllmServer, free_port
 from kvdisagg.local.tiny_model import _WORDS, ensure_tiny_model
-from kvdisagg.proxy.cache_index import CacheIndex, CacheIndexConfig
-from kvdisagg.proxy.tokens import RequestTokenizer, TokenizerConfig
+from kvdisagg.proxy.cache_index import CacheIndex
+from kvdisagg.proxy.config import CacheIndexConfig, TokenizerConfig
+from kvdisagg.proxy.tokens import RequestTokenizer
 from kvdisagg.proxy.upstream import Pool
 
 LENGTHS = (100, 1000, 2000)

@@ -17,6 +17,9 @@ from kvdisagg.errors import ConfigError
 API_KEY_ENV = "KVDISAGG_API_KEY"
 """The API key kvdisagg sends upstream as ``Authorization: Bearer`` when no file is given: the
 proxy's to its vLLM instances (vLLM's ``--api-key``), bench's to the endpoints it measures."""
+ADMIN_KEY_ENV = "KVDISAGG_ADMIN_KEY"
+"""The key of the proxy's admin API when no file is given: the proxy requires it of every admin
+call (``admin.key_file``), and ``kvdisagg admin`` sends it (``--key-file``)."""
 
 
 def read_key_file(path: str, what: str) -> str:

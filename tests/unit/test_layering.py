@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import ast
 import functools
+import os
+import subprocess
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -222,3 +225,52 @@ def test_the_vllm_check_can_fail(tmp_path: Path) -> None:
     assert imports_vllm(f)
     f.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import vllm\n")
     assert not imports_vllm(f)
+
+
+# The proxy's config is its bottom layer (proxy/config.py's docstring): loading a config file,
+# or `kvdisagg proxy --help`, needs none of the proxy's runtime.
+CONFIG_MAY_REACH = {"kvdisagg.errors", "kvdisagg.keys", "kvdisagg.tracing", "kvdisagg.proxy.types",
+                    "kvdisagg.proxy.targets"}
+CONFIG_THIRD_PARTY = {"msgspec", "yaml"}
+
+
+def module_level_imports(path: Path) -> set[str]:
+    """Top-level names of what ``path`` imports when it is loaded (its module-level statements,
+    TYPE_CHECKING blocks included: they must not name the runtime either)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.Module(body=[n for n in ast.parse(path.read_text()).body
+                                          if not isinstance(n, ast.FunctionDef | ast.ClassDef)],
+                                    type_ignores=[])):
+        if isinstance(node, ast.Import):
+            found.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_proxy_config_imports_no_runtime_module() -> None:
+    known = modules()
+    reached = reaches(graph(), "kvdisagg.proxy.config")
+    assert reached <= CONFIG_MAY_REACH, f"config reaches {sorted(reached - CONFIG_MAY_REACH)}"
+    for name in {"kvdisagg.proxy.config", *reached}:
+        third = {m for m in module_level_imports(known[name]) - {"kvdisagg", "__future__"}
+                 if m not in sys.stdlib_module_names}
+        assert third <= CONFIG_THIRD_PARTY, f"{name} imports {sorted(third)}"
+
+
+def test_importing_proxy_config_loads_no_runtime_module() -> None:
+    """The same, as Python sees it: what ``import kvdisagg.proxy.config`` loads."""
+    code = ("import sys, kvdisagg.proxy.config\n"
+            "print(' '.join(m for m in sys.modules if m.startswith('kvdisagg.') or '.' not in m))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={**os.environ, "PYTHONPATH": str(SRC)}).stdout.split()
+    ours = {m for m in out if m.startswith("kvdisagg.")} - {"kvdisagg.proxy",
+                                                            "kvdisagg.proxy.config"}
+    assert ours <= CONFIG_MAY_REACH, sorted(ours - CONFIG_MAY_REACH)
+    runtime = {"zmq", "aiohttp", "httptools", "uvloop", "dns", "multidict", "yarl"} & set(out)
+    assert not runtime, sorted(runtime)
+
+
+def test_the_config_layer_check_can_fail() -> None:
+    assert "zmq" in module_level_imports(modules()["kvdisagg.proxy.cache_index"])
+    assert "kvdisagg.proxy.kv_events" in reaches(graph(), "kvdisagg.proxy.cache_index")

@@ -19,9 +19,10 @@ answer ``ANSWER_GRACE_S`` longer; the other commands wait ``--timeout`` for thei
 status says what happened (``Exit``), so a hook or a script can tell a refused call from an
 unreachable proxy and from a drain that ran out of time.
 
-Its own imports are the standard library (urllib) and msgspec, nothing of the proxy's server
-side; it is synchronous, and it ignores ``HTTP(S)_PROXY`` from the environment: the admin API
-is reached directly on the cluster network.
+Its own imports are the standard library (urllib), msgspec and kvdisagg.keys (the key is read
+as the proxy reads its own), nothing of the proxy's server side; it is synchronous, and it
+ignores ``HTTP(S)_PROXY`` from the environment: the admin API is reached directly on the
+cluster network.
 """
 
 from __future__ import annotations
@@ -36,14 +37,15 @@ import sys
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import urlsplit
 
 import msgspec
 
+from kvdisagg.errors import ConfigError
+from kvdisagg.keys import ADMIN_KEY_ENV, key_from, refused_on_command_line
+
 PROXY_ENV = "KVDISAGG_PROXY_ADMIN"
-KEY_ENV = "KVDISAGG_ADMIN_KEY"  # the proxy reads the same variable (proxy/config.py)
 DEFAULT_PROXY = "http://127.0.0.1:8001"
 ANSWER_GRACE_S = 10.0  # drain: wait this much past the drain's own bound for the answer
 ROLES = ("prefill", "decode", "kv_both")
@@ -98,7 +100,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        metavar="URL", help=f"the proxy's admin listener (default ${PROXY_ENV} "
                        f"or {DEFAULT_PROXY})")
         c.add_argument("--key-file", metavar="FILE",
-                       help=f"file holding the admin key (else ${KEY_ENV}; else no key)")
+                       help=f"file holding the admin key (else ${ADMIN_KEY_ENV}; else no key)")
         c.add_argument("--key", "--admin-key", dest="key", help=argparse.SUPPRESS)  # refused
         c.add_argument("--timeout", type=float, default=timeout, metavar="S",
                        help=f"{timeout_help} (default {timeout:g})")
@@ -133,15 +135,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def read_key(key_file: str | None) -> str | None:
-    if key_file:
-        try:
-            key = Path(key_file).read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise UsageError(f"--key-file: cannot read {key_file}: {exc.strerror}") from None
-        if not key:
-            raise UsageError(f"--key-file: {key_file} is empty")
-        return key
-    return os.environ.get(KEY_ENV, "").strip() or None
+    """The admin key from ``key_file``, else ``$KVDISAGG_ADMIN_KEY`` (kvdisagg.keys, as the
+    proxy reads its own); UsageError if the file is unreadable or empty."""
+    try:
+        return key_from(key_file, ADMIN_KEY_ENV, "--key-file")
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def proxy_base(url: str) -> str:
@@ -214,8 +213,7 @@ def _line(i: InstanceView) -> str:
 def execute(args: argparse.Namespace, out: TextIO) -> Exit:
     """One subcommand; raises UsageError, Refused, Unreachable."""
     if args.key is not None:
-        raise UsageError("--key is not accepted: any local user can read a command line. Put "
-                         f"the key in a file (--key-file) or in {KEY_ENV}")
+        raise UsageError(str(refused_on_command_line("--key", "--key-file", ADMIN_KEY_ENV)))
     if args.timeout <= 0:
         raise UsageError(f"--timeout: must be > 0, got {args.timeout:g}")
     client = AdminClient(proxy_base(args.proxy), read_key(args.key_file))

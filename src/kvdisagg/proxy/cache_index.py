@@ -25,49 +25,20 @@ import enum
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated
 
 import aiohttp
 import msgspec
 import zmq
 import zmq.asyncio
 
-from kvdisagg.proxy.kv_events import EventSource, EventStream, StreamState, source_from_publisher
+from kvdisagg.proxy.config import CacheIndexConfig, EventSource
+from kvdisagg.proxy.kv_events import EventStream, StreamState, source_from_publisher
 from kvdisagg.proxy.prefix_index import NO_EXTRA, BlockExtra, Lookup, Pending, PrefixIndex
-from kvdisagg.proxy.tokens import TokenizerConfig
 
-__all__ = ["CacheIndex", "CacheIndexConfig", "IndexState", "InstanceStatus"]
+__all__ = ["CacheIndex", "IndexState", "InstanceStatus"]
 
 log = logging.getLogger("kvdisagg.proxy.cache_index")
 FIRST_RETRY_S = 0.5  # the first wait before asking a starting instance again (then doubled)
-
-Seconds = Annotated[float, msgspec.Meta(gt=0, le=86400)]
-
-
-class CacheIndexConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """The cache index (``cache_index:`` in the proxy's config)."""
-
-    enabled: bool = True
-    """Follow each instance's KV events (instances without them are left out, said once in
-    the log); false (``--no-cache-index``): no index, the decision counts whole prompts."""
-    connect_timeout_s: Seconds = 5.0
-    """Bound on ``GET /kv_event_sources`` and on the publisher's ZMQ handshake."""
-    replay_timeout_s: Seconds = 5.0
-    """Longest silence between two frames of a replay; past it the replay failed and the
-    instance's entries are dropped (a long replay that keeps coming is fine)."""
-    retry_s: Seconds = 10.0
-    """Longest wait before asking again an instance that did not answer ``/kv_event_sources``
-    (not up yet): the first retry comes after 0.5 s, each next one after twice as long."""
-    max_blocks_per_instance: Annotated[int, msgspec.Meta(ge=1, le=1 << 30)] = 262_144
-    """Bound on one instance's indexed block copies (about 150 bytes each); more than its cache
-    can hold means the view went wrong: its entries are dropped."""
-    max_message_bytes: Annotated[int, msgspec.Meta(ge=1 << 10, le=1 << 31)] = 64 << 20
-    """Larger ZMQ messages are refused (ZMQ closes the connection; counted as lost)."""
-    sources: dict[str, EventSource] = msgspec.field(default_factory=dict)
-    """Per instance URL (``http://host:port``): where its events are, instead of asking it
-    (e.g. behind a NAT, or an older vLLM without /kv_event_sources)."""
-    tokenizer: TokenizerConfig = msgspec.field(default_factory=TokenizerConfig)
-    """How request bodies become token ids (tokens.py)."""
 
 
 class IndexState(str, enum.Enum):

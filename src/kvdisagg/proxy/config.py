@@ -5,6 +5,11 @@ docs/proxy.md is a field here; unknown keys are refused (``forbid_unknown_fields
 fails at start-up instead of silently keeping a default. Bounds are ``Annotated`` metadata, checked
 by ``msgspec.convert`` when a file is loaded and by ``validate()`` for structs built in code;
 every error names the key (``breaker.open_s: Expected `float` > 0.0, got -1.0``).
+
+The bottom layer of the proxy: every runtime module imports its settings from here, and this
+module imports none of them, nor zmq, aiohttp or httptools; only the standard library, msgspec,
+yaml and kvdisagg's pure modules (errors, keys, tracing's types, proxy.types, proxy.targets).
+tests/unit/test_layering.py holds it to that.
 """
 
 from __future__ import annotations
@@ -15,15 +20,14 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import msgspec
 import yaml
 
 from kvdisagg.errors import ConfigError
-from kvdisagg.keys import API_KEY_ENV, read_key_file
-from kvdisagg.proxy.cache_index import CacheIndexConfig
+from kvdisagg.keys import ADMIN_KEY_ENV, API_KEY_ENV, key_from, read_key_file
 from kvdisagg.proxy.targets import parse_hostport, parse_target
 from kvdisagg.proxy.types import Admission, PolicyName, Role
 from kvdisagg.tracing import OtlpEndpoint
@@ -196,7 +200,6 @@ class DiscoveryConfig(_Base):
                     or (k is not None and (k.prefill_selector or k.decode_selector)))
 
 
-ADMIN_KEY_ENV = "KVDISAGG_ADMIN_KEY"
 _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?"
 _NAME = re.compile(rf"(\*\.)?{_LABEL}(\.{_LABEL})*")  # a host name, or *.suffix
 
@@ -223,15 +226,7 @@ class AdminConfig(_Base):
     def key(self) -> str | None:
         """The admin key from ``key_file`` or ``KVDISAGG_ADMIN_KEY``; ConfigError if the file
         is unreadable or empty."""
-        if self.key_file:
-            try:
-                key = Path(self.key_file).read_text().strip()
-            except OSError as exc:
-                raise ConfigError(f"admin.key_file: cannot read {self.key_file}: {exc}") from None
-            if not key:
-                raise ConfigError(f"admin.key_file: {self.key_file} is empty")
-            return key
-        return os.environ.get(ADMIN_KEY_ENV, "").strip() or None
+        return key_from(self.key_file, ADMIN_KEY_ENV, "admin.key_file")
 
     def allows(self, url: str) -> bool:
         """Whether ``url``'s host is among ``allowed_targets``."""
@@ -266,6 +261,83 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+# -- the cache index (cache_index.py) and its tokenizer (tokens.py) ----------------------------
+
+class TokenizerMode(str, enum.Enum):
+    LOCAL = "local"
+    """The model's tokenizer and chat template in the proxy process."""
+    REMOTE = "remote"
+    """vLLM's ``POST /tokenize`` on an instance."""
+
+
+class TokenizerConfig(_Base):
+    """How the proxy learns a request's token ids (for cache-hit predictions)."""
+
+    mode: TokenizerMode = TokenizerMode.LOCAL
+    model: str | None = None
+    """Directory of the served model's tokenizer (what vLLM loads: its ``--tokenizer`` or
+    ``--model``). Required for ``local``; none: every lookup asks /tokenize."""
+    trust_remote_code: bool = False
+    """As vLLM's ``--trust-remote-code``, for tokenizers with custom code."""
+    chat_template: str | None = None
+    """The instances' ``--chat-template`` (a file or the template itself), if they set one."""
+    chat_template_content_format: Literal["auto", "string", "openai"] = "auto"
+    """The instances' ``--chat-template-content-format``."""
+    default_chat_template_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+    """The instances' ``--default-chat-template-kwargs``."""
+    remote_fallback: bool = True
+    """``local``: ask /tokenize for bodies the local path cannot reproduce exactly."""
+    timeout_s: Annotated[float, msgspec.Meta(gt=0, le=600)] = 2.0
+    """Bound on one /tokenize call (connect, then the answer)."""
+    thread_min_chars: Annotated[int, msgspec.Meta(ge=0)] = 4096
+    """``local``: bodies with at least this much text to tokenize (not counting what the memo
+    holds) are tokenized in a worker thread (the tokenizer releases the GIL), so a long prompt
+    does not hold the proxy's event loop; shorter ones inline (the hop would cost more than it
+    frees)."""
+    memo_tokens: Annotated[int, msgspec.Meta(ge=0)] = 262144
+    """``local``: token ids of the text between special tokens (a chat's system prompt, its
+    earlier messages) kept for the next request, so turn N of a conversation tokenizes only
+    its new messages (token_memo.py; exact, used only for tokenizers where it is). 0: off."""
+
+
+class EventSource(_Base):
+    """Where the proxy subscribes to one instance's events (``cache_index.sources``, or
+    found by asking the instance: kv_events.source_from_publisher)."""
+
+    endpoint: str
+    """ZMQ address to connect to, ``tcp://host:port`` (or ``ipc://path``)."""
+    replay_endpoint: str | None = None
+    """vLLM's replay ROUTER, same forms; none: a gap drops the instance's entries."""
+    topic: str = ""
+    """vLLM's ``topic`` (the first frame of every message)."""
+
+
+class CacheIndexConfig(_Base):
+    """The cache index (``cache_index:`` in the proxy's config)."""
+
+    enabled: bool = True
+    """Follow each instance's KV events (instances without them are left out, said once in
+    the log); false (``--no-cache-index``): no index, the decision counts whole prompts."""
+    connect_timeout_s: Seconds = 5.0
+    """Bound on ``GET /kv_event_sources`` and on the publisher's ZMQ handshake."""
+    replay_timeout_s: Seconds = 5.0
+    """Longest silence between two frames of a replay; past it the replay failed and the
+    instance's entries are dropped (a long replay that keeps coming is fine)."""
+    retry_s: Seconds = 10.0
+    """Longest wait before asking again an instance that did not answer ``/kv_event_sources``
+    (not up yet): the first retry comes after 0.5 s, each next one after twice as long."""
+    max_blocks_per_instance: Annotated[int, msgspec.Meta(ge=1, le=1 << 30)] = 262_144
+    """Bound on one instance's indexed block copies (about 150 bytes each); more than its cache
+    can hold means the view went wrong: its entries are dropped."""
+    max_message_bytes: Annotated[int, msgspec.Meta(ge=1 << 10, le=1 << 31)] = 64 << 20
+    """Larger ZMQ messages are refused (ZMQ closes the connection; counted as lost)."""
+    sources: dict[str, EventSource] = msgspec.field(default_factory=dict)
+    """Per instance URL (``http://host:port``): where its events are, instead of asking it
+    (e.g. behind a NAT, or an older vLLM without /kv_event_sources)."""
+    tokenizer: TokenizerConfig = msgspec.field(default_factory=TokenizerConfig)
+    """How request bodies become token ids (tokens.py)."""
 
 
 class ProxyConfig(_Base):

@@ -40,8 +40,10 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
+from kvdisagg.proxy.config import EventSource
+
 __all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "Event", "EventBatch", "EventSink",
-           "EventSource", "EventStream", "Hash", "InvalidMessage", "PublisherConfig",
+           "EventStream", "Hash", "InvalidMessage", "PublisherConfig",
            "StreamState", "StreamStats", "decode_batch", "source_from_publisher",
            "subscriber_address"]
 
@@ -146,17 +148,6 @@ class PublisherConfig(msgspec.Struct, frozen=True):
     replay_endpoint: str | None = None
     buffer_steps: int = 10_000
     topic: str = ""
-
-
-class EventSource(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Where the proxy subscribes to one instance's events (also the config override)."""
-
-    endpoint: str
-    """ZMQ address to connect to, ``tcp://host:port`` (or ``ipc://path``)."""
-    replay_endpoint: str | None = None
-    """vLLM's replay ROUTER, same forms; none: a gap drops the instance's entries."""
-    topic: str = ""
-    """vLLM's ``topic`` (the first frame of every message)."""
 
 
 def _url_host(instance_url: str) -> str:

@@ -28,18 +28,18 @@ Must not import vllm: the proxy runs without it. ``local`` needs transformers an
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 
 from kvdisagg.errors import ConfigError, UpstreamError
+from kvdisagg.proxy.config import TokenizerConfig, TokenizerMode
 from kvdisagg.proxy.token_memo import SegmentMemo
 from kvdisagg.proxy.upstream import Pool
 
-__all__ = ["RequestTokenizer", "TokenizerConfig", "TokenizerMode"]
+__all__ = ["RequestTokenizer"]
 
 log = logging.getLogger("kvdisagg.proxy.tokens")
 
@@ -57,43 +57,6 @@ _CHAT_UNSUPPORTED = ("tools", "documents", "reasoning_effort", "chat_template",
                      "mm_processor_kwargs", "truncate_prompt_tokens", "prompt_embeds")
 _COMPLETION_UNSUPPORTED = ("prompt_embeds", "truncate_prompt_tokens", "suffix")
 _PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
-
-
-class TokenizerMode(str, enum.Enum):
-    LOCAL = "local"
-    """The model's tokenizer and chat template in the proxy process."""
-    REMOTE = "remote"
-    """vLLM's ``POST /tokenize`` on an instance."""
-
-
-class TokenizerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """How the proxy learns a request's token ids (for cache-hit predictions)."""
-
-    mode: TokenizerMode = TokenizerMode.LOCAL
-    model: str | None = None
-    """Directory of the served model's tokenizer (what vLLM loads: its ``--tokenizer`` or
-    ``--model``). Required for ``local``; none: every lookup asks /tokenize."""
-    trust_remote_code: bool = False
-    """As vLLM's ``--trust-remote-code``, for tokenizers with custom code."""
-    chat_template: str | None = None
-    """The instances' ``--chat-template`` (a file or the template itself), if they set one."""
-    chat_template_content_format: Literal["auto", "string", "openai"] = "auto"
-    """The instances' ``--chat-template-content-format``."""
-    default_chat_template_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
-    """The instances' ``--default-chat-template-kwargs``."""
-    remote_fallback: bool = True
-    """``local``: ask /tokenize for bodies the local path cannot reproduce exactly."""
-    timeout_s: Annotated[float, msgspec.Meta(gt=0, le=600)] = 2.0
-    """Bound on one /tokenize call (connect, then the answer)."""
-    thread_min_chars: Annotated[int, msgspec.Meta(ge=0)] = 4096
-    """``local``: bodies with at least this much text to tokenize (not counting what the memo
-    holds) are tokenized in a worker thread (the tokenizer releases the GIL), so a long prompt
-    does not hold the proxy's event loop; shorter ones inline (the hop would cost more than it
-    frees)."""
-    memo_tokens: Annotated[int, msgspec.Meta(ge=0)] = 262144
-    """``local``: token ids of the text between special tokens (a chat's system prompt, its
-    earlier messages) kept for the next request, so turn N of a conversation tokenizes only
-    its new messages (token_memo.py; exact, used only for tokenizers where it is). 0: off."""
 
 
 class _TokenizeResponse(msgspec.Struct):

@@ -253,10 +253,10 @@ def test_exit_statuses_are_documented() -> None:
 
 def test_admin_is_a_kvdisagg_command() -> None:
     from kvdisagg.cli import COMMANDS
-    from kvdisagg.proxy import admin_cli
-    from kvdisagg.proxy.config import ADMIN_KEY_ENV
+    from kvdisagg.proxy import admin_cli, config
     assert COMMANDS["admin"].module == "kvdisagg.proxy.admin_cli"
-    assert admin_cli.KEY_ENV == ADMIN_KEY_ENV  # the client and the proxy read one variable
+    # the client and the proxy read one variable
+    assert admin_cli.ADMIN_KEY_ENV == config.ADMIN_KEY_ENV == "KVDISAGG_ADMIN_KEY"
 
 
 def test_each_address_drains_at_every_proxy_replica(

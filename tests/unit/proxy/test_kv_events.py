@@ -19,12 +19,12 @@ import zmq
 from aiohttp import web
 
 from kvdisagg.local.servers import free_port
-from kvdisagg.proxy.cache_index import CacheIndex, CacheIndexConfig, IndexState
+from kvdisagg.proxy.cache_index import CacheIndex, IndexState
+from kvdisagg.proxy.config import CacheIndexConfig, EventSource, TokenizerConfig
 from kvdisagg.proxy.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    EventSource,
     InvalidMessage,
     decode_batch,
     source_from_publisher,
@@ -497,8 +497,6 @@ def test_config_is_checked() -> None:
 
 def test_every_key_is_documented() -> None:
     from pathlib import Path
-
-    from kvdisagg.proxy.tokens import TokenizerConfig
 
     doc = (Path(__file__).resolve().parents[3] / "docs" / "configuration.md").read_text()
     keys = [f"cache_index.{f}" for f in CacheIndexConfig.__struct_fields__]

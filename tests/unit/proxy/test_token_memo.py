@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 from kvdisagg.local.tiny_model import _WORDS, ensure_tiny_model
+from kvdisagg.proxy.config import TokenizerConfig
 from kvdisagg.proxy.token_memo import SegmentMemo
-from kvdisagg.proxy.tokens import RequestTokenizer, TokenizerConfig
+from kvdisagg.proxy.tokens import RequestTokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
 

@@ -16,7 +16,8 @@ import pytest
 from kvdisagg.errors import ConfigError
 from kvdisagg.local.tiny_model import ensure_tiny_model
 from kvdisagg.proxy.chat_template import accepted_kwargs, detect_content_format
-from kvdisagg.proxy.tokens import RequestTokenizer, TokenizerConfig, TokenizerMode
+from kvdisagg.proxy.config import TokenizerConfig, TokenizerMode
+from kvdisagg.proxy.tokens import RequestTokenizer
 
 vllm_hf = pytest.importorskip("vllm.renderers.hf")
 
