@@ -1,6 +1,6 @@
 """The OpenAI-compatible front door that performs the prefill -> decode handoff.
 
-``make_app`` and ``run_proxy`` are loaded on first use, so importing one of the proxy's modules
+``make_app`` is loaded on first use, so importing one of the proxy's modules
 (``kvdisagg.proxy.body``) does not import the whole application.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvdisagg.proxy.app import make_app, run_proxy
+    from kvdisagg.proxy.app import make_app
 
-__all__ = ["make_app", "run_proxy"]
+__all__ = ["make_app"]
 
 
 def __getattr__(name: str) -> Any:

@@ -12,14 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import sys
 
 import msgspec
 from aiohttp import web
 
 from kvdisagg.proxy import admin, passthrough
 from kvdisagg.proxy.cache_index import CacheIndex
-from kvdisagg.proxy.config import ProxyConfig, TimeoutConfig, instances_from_urls
+from kvdisagg.proxy.config import ProxyConfig
 from kvdisagg.proxy.discovery import Discovery
 from kvdisagg.proxy.metrics import Metrics
 from kvdisagg.proxy.policies import make_policy
@@ -45,26 +44,12 @@ HANDLED_SIGNALS = (
 )
 
 
-def build_config(prefill_urls: list[str] | None = None, decode_urls: list[str] | None = None,
-                 timeout_s: float | None = None, config: ProxyConfig | None = None) -> ProxyConfig:
-    """URLs and a single timeout (the old interface) merged into a validated ProxyConfig."""
-    cfg = config or ProxyConfig()
-    extra = instances_from_urls(prefill_urls, decode_urls)
-    if extra:
-        cfg = msgspec.structs.replace(cfg, instances=[*cfg.instances, *extra])
-    if timeout_s is not None:
-        cfg = msgspec.structs.replace(cfg, timeouts=TimeoutConfig(
-            prefill_s=timeout_s, decode_connect_s=min(10.0, timeout_s),
-            decode_total_s=max(timeout_s, cfg.timeouts.decode_total_s),
-            decode_idle_s=timeout_s))
-    return cfg.validate()
-
-
-def make_app(prefill_urls: list[str] | None = None, decode_urls: list[str] | None = None,
-             timeout_s: float | None = None, *, config: ProxyConfig | None = None,
+def make_app(*, config: ProxyConfig | None = None,
              tracer: Tracer | None = None) -> web.Application:
-    """``tracer``: where request spans go (default: ``otlp_traces_endpoint``'s collector)."""
-    cfg = build_config(prefill_urls, decode_urls, timeout_s, config)
+    """The proxy's application for ``config`` (validated here; default: no instances).
+
+    ``tracer``: where request spans go (default: ``otlp_traces_endpoint``'s collector)."""
+    cfg = (config or ProxyConfig()).validate()
     registry = Registry(cfg)
     for spec in cfg.instances:
         registry.add(spec)
@@ -203,15 +188,8 @@ async def serve(cfg: ProxyConfig) -> int:
     return 0
 
 
-def run_proxy(prefill: list[str], decode: list[str], host: str = "127.0.0.1", port: int = 8000,
-              timeout_s: float | None = None) -> None:
-    """Serve until interrupted, bound to ``host`` only (kept for callers of the first API)."""
-    cfg = build_config(prefill, decode, timeout_s,
-                       ProxyConfig(host=host, port=port))
-    sys.exit(run(cfg))
-
-
-def run(cfg: ProxyConfig) -> int:
+def serve_until_signalled(cfg: ProxyConfig) -> int:
+    """``serve(cfg)`` on uvloop (where installed), logging to stderr: ``kvdisagg proxy``."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

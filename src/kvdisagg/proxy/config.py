@@ -498,12 +498,3 @@ def load_config_file(path: str | Path) -> ProxyConfig:
     except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"proxy config {path} is not valid: {exc}") from exc
     return _convert(raw, f"proxy config {path}: ")
-
-
-def instances_from_urls(prefill: list[str] | None, decode: list[str] | None,
-                        both: list[str] | None = None) -> list[InstanceSpec]:
-    """Command-line URLs as instance specs, in the order given."""
-    out = [InstanceSpec(url=u, role=Role.PREFILL) for u in prefill or []]
-    out += [InstanceSpec(url=u, role=Role.DECODE) for u in decode or []]
-    out += [InstanceSpec(url=u, role=Role.BOTH) for u in both or []]
-    return out

@@ -124,3 +124,16 @@ def test_api_key_only_from_a_file_or_the_environment(tmp_path: Path,
     y.write_text(f"api_key: sk-other\napi_key_file: {key}\n")
     with pytest.raises(ConfigError, match="api_key and api_key_file are both set"):
         config_from_args(parse("--config", str(y)))
+
+
+def test_every_flag_sets_config_keys_or_says_what_it_does() -> None:
+    """``FLAGS`` is the one map from flags to the config: each key a flag names is a field of
+    ProxyConfig (a renamed field fails here, not on a user's command line)."""
+    from kvdisagg.proxy.cli import FLAGS, _field_type
+
+    for f in FLAGS:
+        assert bool(f.keys) != bool(f.apply) or f.name == "--config", f.name
+        for key in f.keys:
+            _field_type(key)  # KeyError: not a field
+    with pytest.raises(KeyError):
+        _field_type("policy.no_such_key")
