@@ -145,7 +145,8 @@ def check_prefix_hits(server: VllmServer, first: dict[str, Any], follow: dict[st
             assert counters.delta(len(ids2)) == (len(ids2), predicted)  # vLLM agrees
             s = next(s for s in index.status() if s.url == url)
             assert s.state is IndexState.LIVE and s.block_size == BLOCK
-            assert (s.gaps, s.drops, s.invalid, s.orphans, s.ignored) == (0, 0, 0, 0, 0)
+            c = s.counters
+            assert (c.gaps, c.drops, c.invalid, c.orphans, c.ignored) == (0, 0, 0, 0, 0)
         finally:
             await index.close()
             pool.close()
@@ -179,7 +180,7 @@ def test_a_late_index_learns_from_the_replay(instance: VllmServer) -> None:
             assert tok.local(body, False) == [ids]
             assert index.cached_tokens(ids + [0]) == {instance.base_url: 2 * BLOCK}
             s = index.status()[0]
-            assert s.replays >= 1 and s.blocks >= 2 and s.drops == 0
+            assert s.counters.replays >= 1 and s.blocks >= 2 and s.counters.drops == 0
         finally:
             await index.close()
             pool.close()

@@ -21,6 +21,7 @@ vllm.
 from __future__ import annotations
 
 import asyncio
+import copy
 import enum
 import logging
 from collections.abc import Iterable, Sequence
@@ -32,7 +33,12 @@ import zmq
 import zmq.asyncio
 
 from kvdisagg.proxy.config import CacheIndexConfig, EventSource
-from kvdisagg.proxy.kv_events import EventStream, StreamState, source_from_publisher
+from kvdisagg.proxy.kv_events import (
+    EventStream,
+    IndexCounters,
+    StreamState,
+    source_from_publisher,
+)
 from kvdisagg.proxy.prefix_index import NO_EXTRA, BlockExtra, Lookup, Pending, PrefixIndex
 
 __all__ = ["CacheIndex", "IndexState", "InstanceStatus"]
@@ -51,7 +57,7 @@ class IndexState(str, enum.Enum):
 
 
 class InstanceStatus(msgspec.Struct, kw_only=True, frozen=True):
-    """One instance's index, for /admin/list and metrics (counters only grow)."""
+    """One instance's index, for /admin/list and metrics."""
 
     url: str
     role: str
@@ -62,21 +68,8 @@ class InstanceStatus(msgspec.Struct, kw_only=True, frozen=True):
     block_size: int | None = None
     blocks: int = 0
     """Distinct blocks indexed now."""
-    batches: int = 0
-    events: int = 0
-    gaps: int = 0
-    restarts: int = 0
-    replays: int = 0
-    replay_failures: int = 0
-    drops: int = 0
-    invalid: int = 0
-    unknown_events: int = 0
-    stored: int = 0
-    removed: int = 0
-    cleared: int = 0
-    orphans: int = 0
-    ignored: int = 0
-    overflows: int = 0
+    counters: IndexCounters = msgspec.field(default_factory=IndexCounters)
+    """A copy of its stream's and view's counters (they only grow)."""
 
 
 @dataclass
@@ -88,6 +81,9 @@ class _Watch:
     stream: EventStream | None = None
     reason: str | None = None
     discovered: asyncio.Event = field(default_factory=asyncio.Event)
+    counters: IndexCounters = field(default_factory=IndexCounters)
+    """The instance's, kept by its stream and its view in the index together, across
+    resets (they only grow)."""
 
     @property
     def state(self) -> IndexState:
@@ -131,7 +127,7 @@ class CacheIndex:
             w.role = role
             return
         w = self._watches[key] = _Watch(key, role)
-        self.index.add(key)
+        self.index.add(key, w.counters)
         w.task = asyncio.create_task(self._run(w), name=f"kv-events {key}")
 
     async def unwatch(self, url: str) -> None:
@@ -149,7 +145,7 @@ class CacheIndex:
             return
         if w.stream is not None and w.reason is None:
             self.index.remove(w.url)  # also lifts a disabling the events caused (hybrid cache)
-            self.index.add(w.url)
+            self.index.add(w.url, w.counters)
             w.stream.request_resync()
             return
         if w.reason is not None:
@@ -157,7 +153,7 @@ class CacheIndex:
             old = w.task
             w.reason, w.source, w.stream = None, None, None
             w.discovered = asyncio.Event()
-            self.index.add(w.url)
+            self.index.add(w.url, w.counters)
             if old is not None:
                 old.cancel()
             w.task = asyncio.create_task(self._run(w), name=f"kv-events {w.url}")
@@ -195,7 +191,8 @@ class CacheIndex:
             w.stream = EventStream(self._context(), w.url, source, self.index,
                                    connect_timeout_s=self.cfg.connect_timeout_s,
                                    replay_timeout_s=self.cfg.replay_timeout_s,
-                                   max_message_bytes=self.cfg.max_message_bytes)
+                                   max_message_bytes=self.cfg.max_message_bytes,
+                                   counters=w.counters)
             w.discovered.set()
             await w.stream.run()
         except asyncio.CancelledError:
@@ -304,7 +301,6 @@ class CacheIndex:
         out = []
         for w in self._watches.values():
             inst = self.index.get(w.url)
-            stats = w.stream.stats if w.stream is not None else None
             state, reason = w.state, w.reason
             if inst is not None and inst.disabled is not None:
                 state, reason = IndexState.DISABLED, inst.disabled
@@ -313,21 +309,5 @@ class CacheIndex:
                 endpoint=w.source.endpoint if w.source else None,
                 replay_endpoint=w.source.replay_endpoint if w.source else None,
                 block_size=inst.block_size if inst else None,
-                blocks=inst.blocks if inst else 0,
-                batches=stats.batches if stats else 0,
-                events=stats.events if stats else 0,
-                gaps=stats.gaps if stats else 0,
-                restarts=stats.restarts if stats else 0,
-                replays=stats.replays if stats else 0,
-                replay_failures=stats.replay_failures if stats else 0,
-                drops=stats.drops if stats else 0,
-                invalid=stats.invalid if stats else 0,
-                unknown_events=stats.unknown_events if stats else 0,
-                stored=inst.stored if inst else 0,
-                removed=inst.removed if inst else 0,
-                cleared=inst.cleared if inst else 0,
-                orphans=inst.orphans if inst else 0,
-                ignored=inst.ignored if inst else 0,
-                overflows=inst.overflows if inst else 0,
-            ))
+                blocks=inst.blocks if inst else 0, counters=copy.copy(w.counters)))
         return out

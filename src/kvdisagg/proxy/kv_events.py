@@ -31,7 +31,6 @@ import asyncio
 import enum
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Annotated, Any, Protocol
 from urllib.parse import urlsplit
 
@@ -44,7 +43,7 @@ from kvdisagg.proxy.config import EventSource
 
 __all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "Event", "EventBatch", "EventSink",
            "EventStream", "Hash", "InvalidMessage", "PublisherConfig",
-           "StreamState", "StreamStats", "decode_batch", "source_from_publisher",
+           "IndexCounters", "StreamState", "decode_batch", "source_from_publisher",
            "subscriber_address"]
 
 log = logging.getLogger("kvdisagg.proxy.kv_events")
@@ -225,9 +224,11 @@ class StreamState(str, enum.Enum):
     STOPPED = "stopped"
 
 
-@dataclass
-class StreamStats:
-    """Counters of one instance's stream (only grow; export as Prometheus counters)."""
+class IndexCounters(msgspec.Struct, kw_only=True):
+    """One instance's counters in the cache index, kept together by its event stream
+    (``EventStream``, the first group) and its view in the prefix index
+    (``prefix_index.IndexedInstance``, the second), and reported as they are
+    (``cache_index.InstanceStatus``, /metrics). They only grow (Prometheus counters)."""
 
     batches: int = 0
     """Batches applied (live and replayed)."""
@@ -246,7 +247,18 @@ class StreamStats:
     """Messages refused by validation."""
     unknown_events: int = 0
     """Events of a type we do not know (skipped)."""
-    last_seq: int | None = None
+    stored: int = 0
+    """Block copies indexed (BlockStored)."""
+    removed: int = 0
+    """Block copies evicted (BlockRemoved of a block the index held)."""
+    cleared: int = 0
+    """AllBlocksCleared events (vLLM's prefix cache was reset)."""
+    orphans: int = 0
+    """Blocks stored under a parent the index does not hold (skipped)."""
+    ignored: int = 0
+    """Blocks of another tier (medium) or another block size, or malformed (skipped)."""
+    overflows: int = 0
+    """Times the instance claimed more blocks than ``max_blocks`` (entries dropped)."""
 
 
 class _Replay(enum.Enum):
@@ -268,7 +280,7 @@ class EventStream:
     def __init__(self, ctx: zmq.asyncio.Context, instance: str, source: EventSource,
                  sink: EventSink, *, connect_timeout_s: float = 5.0,
                  replay_timeout_s: float = 5.0, max_message_bytes: int = 64 << 20,
-                 poll_s: float = 1.0) -> None:
+                 poll_s: float = 1.0, counters: IndexCounters | None = None) -> None:
         self.ctx = ctx
         self.instance = instance
         self.source = source
@@ -278,7 +290,7 @@ class EventStream:
         self.max_message_bytes = max_message_bytes
         self.poll_s = poll_s
         self.state = StreamState.CONNECTING
-        self.stats = StreamStats()
+        self.counters = IndexCounters() if counters is None else counters
         self._topic = source.topic.encode()
         self._expected: int | None = None  # next seq; None: no state continuous with the stream
         self._last: tuple[int, int] | None = None  # (seq, hash(batch)) applied last
@@ -335,7 +347,7 @@ class EventStream:
                     continue
                 frames = await sub.recv_multipart()
                 if len(frames) != 3 or len(frames[1]) != 8:
-                    self.stats.invalid += 1
+                    self.counters.invalid += 1
                     self._drop(f"a message of {len(frames)} frames is not vLLM's "
                                "[topic, seq, batch]")
                     continue
@@ -370,7 +382,7 @@ class EventStream:
         self._last = None
         self._overlap = None
         if lost:
-            self.stats.drops += 1
+            self.counters.drops += 1
             log.warning("kv events of %s: %s; dropped its %d indexed blocks, starting over",
                         self.instance, reason, n)
 
@@ -381,7 +393,7 @@ class EventStream:
                 last_seq = self._last[0]
                 verdict = await self._replay(last_seq, verify=self._last)
                 if verdict is _Replay.MISMATCH:
-                    self.stats.restarts += 1
+                    self.counters.restarts += 1
                     self._drop(f"it reconnected with another batch {last_seq}: its publisher "
                                "restarted")
                 elif verdict is not _Replay.DONE:
@@ -393,11 +405,11 @@ class EventStream:
             self._overlap = None
         exp = self._expected
         if exp is not None and seq < exp:
-            self.stats.restarts += 1
+            self.counters.restarts += 1
             self._drop(f"its publisher restarted (seq {seq} after {exp - 1})")
             exp = None
         elif exp is not None and seq > exp:
-            self.stats.gaps += 1
+            self.counters.gaps += 1
             log.info("kv events of %s: batches %d..%d missed; replaying", self.instance, exp,
                      seq - 1)
         start = 0 if exp is None else exp
@@ -415,22 +427,21 @@ class EventStream:
         """Apply batch ``seq``: the next one after the current state, or the first of a new
         start (no state kept)."""
         self._expected = seq + 1
-        self.stats.last_seq = seq
         try:
             events, unknown = decode_batch(payload)
         except InvalidMessage as exc:
-            self.stats.invalid += 1
+            self.counters.invalid += 1
             self._drop(f"batch {seq} is malformed ({exc})")
             self._expected = seq + 1
             return
         self._last = (seq, hash(payload))
         if unknown:
-            if not self.stats.unknown_events:
+            if not self.counters.unknown_events:
                 log.warning("kv events of %s: skipping events of a type this proxy does not "
                             "know (a newer vLLM?)", self.instance)
-            self.stats.unknown_events += unknown
-        self.stats.batches += 1
-        self.stats.events += len(events)
+            self.counters.unknown_events += unknown
+        self.counters.batches += 1
+        self.counters.events += len(events)
         self.sink.apply(self.instance, events)
 
     async def _replay(self, start: int, verify: tuple[int, int] | None = None) -> _Replay:
@@ -481,13 +492,13 @@ class EventStream:
                 overlap[seq] = hash(frames[3])
                 if len(overlap) % 64 == 0:
                     await asyncio.sleep(0)  # a long replay must not hold the proxy's loop
-            self.stats.replays += 1
+            self.counters.replays += 1
             self._overlap = overlap or None
             if self._expected is None and start == 0:
                 self._expected = 0  # nothing published yet: the empty state is complete
             return _Replay.DONE
         except (TimeoutError, InvalidMessage, zmq.ZMQError) as exc:
-            self.stats.replay_failures += 1
+            self.counters.replay_failures += 1
             what = "timed out" if isinstance(exc, TimeoutError) else str(exc)
             log.warning("kv events of %s: replay from %d at %s failed: %s", self.instance, start,
                         endpoint, what)

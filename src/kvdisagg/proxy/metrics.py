@@ -296,4 +296,5 @@ def _render_index(status: Iterable[Any], add: Any) -> None:
     for name in _INDEX_COUNTERS:
         add(f"# TYPE {P}cache_index_{name}_total counter\n")
         for st in rows:
-            add(f"{P}cache_index_{name}_total{_labels(instance=st.url)} {getattr(st, name)}\n")
+            add(f"{P}cache_index_{name}_total{_labels(instance=st.url)} "
+                f"{getattr(st.counters, name)}\n")

@@ -36,8 +36,8 @@ before that. The proxy notes each prompt it sends as *pending* on the instance t
 lookup counts a pending block as held, so the rest of the burst follows the first prompt
 instead of computing the prefix a second time elsewhere.
 
-Scope the index refuses rather than guesses (``Instance.disabled`` says why): several KV cache
-groups (hybrid models: each group has its own hit rule), block sizes changing mid-stream
+Scope the index refuses rather than guesses (``IndexedInstance.disabled`` says why): several KV
+cache groups (hybrid models: each group has its own hit rule), block sizes changing mid-stream
 (partial blocks of a hash block size smaller than the block size). Events of other tiers
 (``medium`` CPU or STORAGE: offloading connectors) are ignored: only the device pool's blocks
 are a prefix-cache hit without a load.
@@ -55,9 +55,16 @@ from typing import Any, NamedTuple, NewType
 
 import msgspec
 
-from kvdisagg.proxy.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event, Hash
+from kvdisagg.proxy.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    Hash,
+    IndexCounters,
+)
 
-__all__ = ["BlockExtra", "BlockKey", "Instance", "Lookup", "Pending", "PrefixIndex",
+__all__ = ["BlockExtra", "BlockKey", "IndexedInstance", "Lookup", "Pending", "PrefixIndex",
            "block_keys", "vllm_hit_tokens"]
 
 log = logging.getLogger("kvdisagg.proxy.prefix_index")
@@ -158,7 +165,7 @@ class Pending(NamedTuple):
     keys: tuple[BlockKey, ...]
 
 
-class _Entry:
+class _Block:
     __slots__ = ("copies", "key")
 
     def __init__(self, key: BlockKey) -> None:
@@ -167,28 +174,20 @@ class _Entry:
 
 
 @dataclass
-class Instance:
-    """One instance's view. Counters only grow (Prometheus counters)."""
+class IndexedInstance:
+    """One instance's view."""
 
     id: str
     block_size: int | None = None
     """From the first BlockStored; every later one must agree."""
     disabled: str | None = None
     """Why the index does not answer for this instance (None: it does)."""
-    entries: dict[Hash, _Entry] = field(default_factory=dict)
+    entries: dict[Hash, _Block] = field(default_factory=dict)
     keys: dict[BlockKey, int] = field(default_factory=dict)
     copies: int = 0
     """Cached block copies (sum of entries' copies); bounded by ``max_blocks``."""
-    stored: int = 0
-    removed: int = 0
-    cleared: int = 0
-    """AllBlocksCleared events (vLLM's prefix cache was reset)."""
-    orphans: int = 0
-    """Blocks stored under a parent the index does not hold (skipped)."""
-    ignored: int = 0
-    """Blocks of another tier (medium) or another block size, or malformed (skipped)."""
-    overflows: int = 0
-    """Times the instance claimed more blocks than ``max_blocks`` (entries dropped)."""
+    counters: IndexCounters = field(default_factory=IndexCounters)
+    """Its ``stored`` .. ``overflows`` grow here (shared with its event stream's)."""
 
     @property
     def blocks(self) -> int:
@@ -208,17 +207,19 @@ class PrefixIndex:
         if max_blocks < 1:
             raise ValueError("max_blocks must be >= 1")
         self.max_blocks = max_blocks
-        self._instances: dict[str, Instance] = {}
+        self._instances: dict[str, IndexedInstance] = {}
         self._holders: dict[BlockKey, set[str]] = {}
         self._pending: dict[BlockKey, dict[str, int]] = {}  # key -> instance -> prompts
 
     # -- membership -------------------------------------------------------------------------
 
-    def add(self, instance: str) -> Instance:
-        """Start an (empty) view of ``instance``; idempotent."""
+    def add(self, instance: str, counters: IndexCounters | None = None) -> IndexedInstance:
+        """Start an (empty) view of ``instance``, counting into ``counters`` (the caller's, to
+        share them with the instance's event stream; default: its own); idempotent."""
         inst = self._instances.get(instance)
         if inst is None:
-            inst = self._instances[instance] = Instance(instance)
+            inst = self._instances[instance] = IndexedInstance(
+                instance, counters=IndexCounters() if counters is None else counters)
         return inst
 
     def remove(self, instance: str) -> None:
@@ -252,10 +253,10 @@ class PrefixIndex:
             log.warning("prefix index: no cache index for %s: %s", instance, reason)
         inst.disabled = reason
 
-    def get(self, instance: str) -> Instance | None:
+    def get(self, instance: str) -> IndexedInstance | None:
         return self._instances.get(instance)
 
-    def instances(self) -> list[Instance]:
+    def instances(self) -> list[IndexedInstance]:
         return list(self._instances.values())
 
     # -- events -----------------------------------------------------------------------------
@@ -271,42 +272,42 @@ class PrefixIndex:
             elif isinstance(ev, BlockRemoved):
                 self._removed(inst, ev)
             elif isinstance(ev, AllBlocksCleared):
-                inst.cleared += 1
+                inst.counters.cleared += 1
                 self.clear(instance)
             if inst.disabled is not None:
                 return
         if inst.copies > self.max_blocks:
-            inst.overflows += 1
+            inst.counters.overflows += 1
             log.warning("prefix index: %s claims %d cached blocks, more than the bound %d; "
                         "dropping its entries", instance, inst.copies, self.max_blocks)
             self.clear(instance)
 
-    def _check_group(self, inst: Instance, group_idx: int | None) -> bool:
+    def _check_group(self, inst: IndexedInstance, group_idx: int | None) -> bool:
         if group_idx not in (None, 0):
             self.disable(inst.id, f"its KV cache has several groups (an event of group "
                                   f"{group_idx}: a hybrid model), each with its own hit rule")
             return False
         return True
 
-    def _stored(self, inst: Instance, ev: BlockStored) -> None:
+    def _stored(self, inst: IndexedInstance, ev: BlockStored) -> None:
         n = len(ev.block_hashes)
         if not self._check_group(inst, ev.group_idx):
             return
         if ev.medium not in DEVICE_MEDIA:
-            inst.ignored += n
+            inst.counters.ignored += n
             return
         if inst.block_size is None:
             inst.block_size = ev.block_size
         if ev.block_size != inst.block_size or len(ev.token_ids) != n * ev.block_size or (
                 ev.extra_keys is not None and len(ev.extra_keys) != n):
-            inst.ignored += n
+            inst.counters.ignored += n
             return
         if ev.parent_block_hash is None:
             parent = ROOT
         else:
             p = inst.entries.get(ev.parent_block_hash)
             if p is None:
-                inst.orphans += n
+                inst.counters.orphans += n
                 return
             parent = p.key
         fallback: bytes = b""
@@ -324,43 +325,43 @@ class PrefixIndex:
             key = _chain(parent, data[i * step:(i + 1) * step], extra)
             entry = inst.entries.get(h)
             if entry is None:
-                inst.entries[h] = _Entry(key)
+                inst.entries[h] = _Block(key)
                 self._hold(inst, key)
             elif entry.key == key:
                 entry.copies += 1
             else:
                 # One vLLM hash, two contents (a 64-bit collision of int hashes): keep the first.
-                inst.ignored += 1
+                inst.counters.ignored += 1
                 parent = key
                 continue
             inst.copies += 1
-            inst.stored += 1
+            inst.counters.stored += 1
             parent = key
 
-    def _removed(self, inst: Instance, ev: BlockRemoved) -> None:
+    def _removed(self, inst: IndexedInstance, ev: BlockRemoved) -> None:
         if not self._check_group(inst, ev.group_idx):
             return
         if ev.medium not in DEVICE_MEDIA:
-            inst.ignored += len(ev.block_hashes)
+            inst.counters.ignored += len(ev.block_hashes)
             return
         for h in ev.block_hashes:
             entry = inst.entries.get(h)
             if entry is None:
                 continue  # never seen (stored before we listened): nothing to undo
-            inst.removed += 1
+            inst.counters.removed += 1
             inst.copies -= 1
             entry.copies -= 1
             if entry.copies == 0:
                 del inst.entries[h]
                 self._release(inst, entry.key)
 
-    def _hold(self, inst: Instance, key: BlockKey) -> None:
+    def _hold(self, inst: IndexedInstance, key: BlockKey) -> None:
         n = inst.keys.get(key, 0)
         inst.keys[key] = n + 1
         if n == 0:
             self._holders.setdefault(key, set()).add(inst.id)
 
-    def _release(self, inst: Instance, key: BlockKey) -> None:
+    def _release(self, inst: IndexedInstance, key: BlockKey) -> None:
         n = inst.keys[key] - 1
         if n:
             inst.keys[key] = n

@@ -200,7 +200,8 @@ def test_replay_of_what_came_before_then_live_order_eviction_and_clear() -> None
             async with watching((URL, pub.source)) as index:
                 assert index.cached_tokens(T[:13]) == {URL: 12}  # learned from the replay
                 s = stats(index)
-                assert s.state is IndexState.LIVE and s.replays == 1 and s.batches == 2
+                c = s.counters
+                assert s.state is IndexState.LIVE and c.replays == 1 and c.batches == 2
                 assert s.block_size == BS and s.blocks == 3
                 pub.publish(v_stored([4], 3, T[12:16]))
                 await until(lambda: index.cached_tokens(T[:17]) == {URL: 16}, "block 4")
@@ -208,11 +209,12 @@ def test_replay_of_what_came_before_then_live_order_eviction_and_clear() -> None
                 await until(lambda: index.cached_tokens(T[:17]) == {URL: 8}, "eviction")
                 pub.publish(v_stored([9], None, T[40:44]), kv_events.AllBlocksCleared(),
                             v_stored([10], None, T[50:54]))
-                await until(lambda: stats(index).batches == 5, "the clear")
+                await until(lambda: stats(index).counters.batches == 5, "the clear")
                 assert index.cached_tokens(T[:17]) == {URL: 0}
                 assert index.cached_tokens(T[50:55]) == {URL: 4}
                 s = stats(index)
-                assert (s.gaps, s.drops, s.restarts, s.invalid, s.cleared) == (0, 0, 0, 0, 1)
+                c = s.counters
+                assert (c.gaps, c.drops, c.restarts, c.invalid, c.cleared) == (0, 0, 0, 0, 1)
         finally:
             pub.close()
 
@@ -230,15 +232,16 @@ def test_a_gap_is_replayed_including_a_lost_eviction() -> None:
                 pub.publish(v_stored([1, 2, 3], None, T[:12]))
                 await until(lambda: index.cached_tokens(T[:13]) == {URL: 12}, "first blocks")
                 # (the first sync's replay happens only if the handshake came within its bound)
-                before = stats(index).replays
+                before = stats(index).counters.replays
                 relay.drop_next(2)
                 pub.publish(v_removed(3))  # lost on the way: the index would keep block 3
                 pub.publish(v_stored([5], None, T[60:64]))  # lost too
                 await until(lambda: relay.dropped == 2, "the relay to drop two")
                 pub.publish(v_stored([6], None, T[70:74]))  # arrives: seq 3 after 0
-                await until(lambda: stats(index).batches == 4, "the replay")
+                await until(lambda: stats(index).counters.batches == 4, "the replay")
                 s = stats(index)
-                assert s.gaps == 1 and s.replays == before + 1 and s.drops == 0
+                c = s.counters
+                assert c.gaps == 1 and c.replays == before + 1 and c.drops == 0
                 assert index.cached_tokens(T[:13]) == {URL: 8}  # the lost eviction applied
                 assert index.cached_tokens(T[60:65]) == {URL: 4}
                 assert index.cached_tokens(T[70:75]) == {URL: 4}
@@ -261,12 +264,12 @@ def test_without_replay_a_gap_drops_the_instance_entries() -> None:
                 pub.publish(v_removed(2))
                 await until(lambda: relay.dropped == 1, "the relay to drop one")
                 pub.publish(v_stored([7], None, T[30:34]))
-                await until(lambda: stats(index).drops == 1, "the drop")
+                await until(lambda: stats(index).counters.drops == 1, "the drop")
                 # Block 1 may still be cached, but after a loss nothing old is trusted.
                 assert index.cached_tokens(T[:9]) == {URL: 0}
                 assert index.cached_tokens(T[30:35]) == {URL: 4}
                 s = stats(index)
-                assert s.gaps == 1 and s.replays == 0
+                assert s.counters.gaps == 1 and s.counters.replays == 0
         finally:
             relay.close()
             pub.close()
@@ -290,7 +293,7 @@ def test_a_gap_older_than_the_replay_buffer_drops_then_keeps_what_it_has() -> No
                 pub.publish(v_stored([3], None, T[20:24]))  # seq 3
                 await until(lambda: relay.dropped == 3, "the relay to drop three")
                 pub.publish(v_stored([4], None, T[30:34]))  # seq 4 arrives; buffer: 3, 4
-                await until(lambda: stats(index).drops == 1, "the drop")
+                await until(lambda: stats(index).counters.drops == 1, "the drop")
                 await until(lambda: index.cached_tokens(T[30:35]) == {URL: 4}, "seq 4")
                 assert index.cached_tokens(T[20:25]) == {URL: 4}  # replayed
                 assert index.cached_tokens(T[10:15]) == {URL: 0}  # lost
@@ -309,14 +312,14 @@ def test_a_publisher_restart_drops_and_resyncs() -> None:
             async with watching((URL, pub.source)) as index:
                 for i in range(3):
                     pub.publish(v_stored([10 + i], None, T[10 * i:10 * i + 4]))
-                await until(lambda: stats(index).batches == 3, "three batches")
+                await until(lambda: stats(index).counters.batches == 3, "three batches")
                 pub.restart()  # a new vLLM process: empty cache, seq from 0 again
                 await asyncio.sleep(0.3)  # let the subscriber reconnect
                 pub.publish(v_stored([99], None, T[50:54]))
-                await until(lambda: stats(index).restarts == 1, "the restart")
+                await until(lambda: stats(index).counters.restarts == 1, "the restart")
                 await until(lambda: index.cached_tokens(T[50:55]) == {URL: 4}, "new block")
                 assert index.cached_tokens(T[:5]) == {URL: 0}
-                assert stats(index).drops == 1
+                assert stats(index).counters.drops == 1
         finally:
             pub.close()
 
@@ -332,7 +335,7 @@ def test_a_restart_whose_first_batches_were_missed_is_still_a_restart() -> None:
             async with watching((URL, pub.source)) as index:
                 for i in range(3):
                     pub.publish(v_stored([10 + i], None, T[10 * i:10 * i + 4]))
-                await until(lambda: stats(index).batches == 3, "three batches")
+                await until(lambda: stats(index).counters.batches == 3, "three batches")
                 pub.restart()
                 for i in range(5):  # published before the subscriber is back: lost live
                     pub.publish(v_stored([50 + i], None, T[50 + i:54 + i]))
@@ -345,7 +348,8 @@ def test_a_restart_whose_first_batches_were_missed_is_still_a_restart() -> None:
                         extra += 1
                     await asyncio.sleep(0.3)
                 s = stats(index)
-                assert s.restarts == 1 and s.drops == 1 and s.gaps == 0, s
+                c = s.counters
+                assert c.restarts == 1 and c.drops == 1 and c.gaps == 0, s
                 assert index.cached_tokens(T[:5]) == {URL: 0}  # the old publisher's
                 assert index.cached_tokens(T[50:55]) == {URL: 4}  # replayed from 0
         finally:
@@ -375,16 +379,17 @@ def test_malformed_messages_count_and_drop_then_the_stream_goes_on() -> None:
                 send(0, batch(v_stored([1], None, T[:4])))
                 await until(lambda: index.cached_tokens(T[:5]) == {URL: 4}, "seq 0")
                 send(1, b"\x93\x01")  # truncated msgpack
-                await until(lambda: stats(index).invalid == 1, "invalid batch")
+                await until(lambda: stats(index).counters.invalid == 1, "invalid batch")
                 assert index.cached_tokens(T[:5]) == {URL: 0}
                 pub.send_multipart([b"kv", b"\x00\x02"])  # a 2-byte seq, 2 frames
-                await until(lambda: stats(index).invalid == 2, "invalid frames")
+                await until(lambda: stats(index).counters.invalid == 2, "invalid frames")
                 send(5, batch(v_stored([2], None, T[8:12])), topic=b"kvx")  # not our topic
                 send(2, enc([1.0, [{"type": "Future"}, {"type": "AllBlocksCleared"}], 0]))
                 send(3, batch(v_stored([3], None, T[20:24])))
                 await until(lambda: index.cached_tokens(T[20:25]) == {URL: 4}, "recovery")
                 s = stats(index)
-                assert s.unknown_events == 1 and s.invalid == 2 and s.drops == 2
+                c = s.counters
+                assert c.unknown_events == 1 and c.invalid == 2 and c.drops == 2
                 assert index.cached_tokens(T[8:13]) == {URL: 0}
         finally:
             pub.close(0)
@@ -404,9 +409,12 @@ def test_two_instances_reset_and_unwatch() -> None:
                 await until(lambda: index.cached_tokens(T[:9]) == {ua: 8, ub: 4}, "both")
                 assert index.cached_tokens(T[:9], instances=[ub + "/"]) == {ub: 4}
                 index.reset(ua)  # e.g. health probes saw it restart: rebuilt from its replay
-                await until(lambda: stats(index, ua).replays == 2, "the resync")
+                await until(lambda: stats(index, ua).counters.replays == 2, "the resync")
                 assert index.cached_tokens(T[:9]) == {ua: 8, ub: 4}
-                assert stats(index, ua).drops == 0  # asked for, not lost
+                assert stats(index, ua).counters.drops == 0  # asked for, not lost
+                # one counters struct per instance, shared by its stream and its view, kept
+                # across the reset: the blocks stored before it and again from the replay
+                assert stats(index, ua).counters.stored == 4
                 await index.unwatch(ua)
                 assert index.cached_tokens(T[:9]) == {ub: 4}
                 assert index.index.get(ua) is None and [s.url for s in index.status()] == [ub]

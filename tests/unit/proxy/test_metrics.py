@@ -12,6 +12,7 @@ import pytest
 
 from kvdisagg.proxy.cache_index import IndexState, InstanceStatus
 from kvdisagg.proxy.config import InstanceSpec, ProxyConfig, SloConfig
+from kvdisagg.proxy.kv_events import IndexCounters
 from kvdisagg.proxy.metrics import LATENCY_BUCKETS, TPOT_BUCKETS, Histogram, Metrics
 from kvdisagg.proxy.registry import Registry
 from kvdisagg.proxy.types import Role, Side
@@ -110,7 +111,7 @@ def test_metrics_text_parses_and_every_family_is_documented() -> None:
     class Index:
         def status(self) -> list[InstanceStatus]:
             return [InstanceStatus(url="http://d0:8000", role="decode", state=IndexState.LIVE,
-                                   blocks=7, events=3, gaps=1),
+                                   blocks=7, counters=IndexCounters(events=3, gaps=1)),
                     InstanceStatus(url="http://b0:8000", role="kv_both",
                                    state=IndexState.DISABLED)]
 

@@ -51,9 +51,9 @@ def test_orphans_are_skipped() -> None:
     idx = PrefixIndex()
     idx.apply(A, [stored([5], 4, T[4:8])])  # parent 4 never seen (stored before we listened)
     inst = idx.get(A)
-    assert inst is not None and inst.orphans == 1 and inst.blocks == 0
+    assert inst is not None and inst.counters.orphans == 1 and inst.blocks == 0
     idx.apply(A, [stored([6], 5, T[8:12])])  # its child is an orphan too
-    assert inst.orphans == 2 and idx.cached_tokens(T[:13]) == {A: 0}
+    assert inst.counters.orphans == 2 and idx.cached_tokens(T[:13]) == {A: 0}
 
 
 def test_copies_and_eviction() -> None:
@@ -88,7 +88,7 @@ def test_instances_apart_and_together() -> None:
     idx.apply(A, [AllBlocksCleared()])
     assert idx.cached_tokens(T[:13]) == {A: 0, B: 4}
     inst = idx.get(A)
-    assert inst is not None and inst.cleared == 1
+    assert inst is not None and inst.counters.cleared == 1
     idx.remove(B)
     assert idx.cached_tokens(T[:13]) == {A: 0}
     assert idx._holders == {}
@@ -119,7 +119,7 @@ def test_other_tiers_and_sizes_are_ignored() -> None:
     idx.apply(A, [stored([3], None, T[:8], bs=8)])  # another block size (partial blocks)
     idx.apply(A, [stored([4, 5], None, T[:4])])  # token ids do not fill the blocks
     inst = idx.get(A)
-    assert inst is not None and inst.block_size == BS and inst.ignored == 1 + 1 + 2
+    assert inst is not None and inst.block_size == BS and inst.counters.ignored == 1 + 1 + 2
     assert idx.cached_tokens(T[:9]) == {A: 4}
     idx.apply(A, [removed(2, medium="CPU")])
     assert idx.cached_tokens(T[:9]) == {A: 4}
@@ -151,7 +151,7 @@ def test_the_bound_drops_a_runaway_view() -> None:
     assert idx.cached_tokens(T[:13]) == {A: 12}
     idx.apply(A, [stored([4], 3, T[12:16])])
     inst = idx.get(A)
-    assert inst is not None and inst.overflows == 1 and inst.blocks == 0
+    assert inst is not None and inst.counters.overflows == 1 and inst.blocks == 0
     assert idx._holders == {}
 
 
