@@ -21,7 +21,7 @@ from pathlib import Path
 from kvdisagg.planner.goodput import SimEnv, SloTarget, goodput, simulate
 from kvdisagg.planner.placement import Colocated, Disaggregated
 from kvdisagg.planner.profile import load_profile
-from kvdisagg.planner.search import plan
+from kvdisagg.planner.search import search_plan
 from kvdisagg.planner.workload import draw, load_lengths
 
 ROWS = [
@@ -69,7 +69,7 @@ def main() -> None:
             for n in (n_ds, args.long):
                 seed = draw(load_lengths("sharegpt"), n, seed=0)
                 t0 = time.perf_counter()
-                p = plan(seed, env_ds, slo, gpus=gpus, colocated_env=env_vl)
+                p = search_plan(seed, env_ds, slo, gpus=gpus, colocated_env=env_vl)
                 pub_sim = goodput(ds, seed, env_ds, slo).rate / ds.num_gpus
                 print(f"plan {model} on {gpus} GPUs, {n} requests: {p.unit.placement.describe()} "
                       f"{p.unit.per_gpu:.3f} req/s/GPU vs published placement {pub_sim:.3f} on the same trace; "

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         printed,
     )
     from kvdisagg.planner.placement import Disaggregated
-    from kvdisagg.planner.search import plan
+    from kvdisagg.planner.search import search_plan
 
     try:
         profile, seed, env, slo = load_common(args)
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
             col_env = msgspec.structs.replace(
                 env, profile=resolve_profile(args.colocated_profile, args.model)
             )
-        result = plan(seed, env, slo, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
+        result = search_plan(seed, env, slo, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
                       affinity=args.affinity, rate=args.rate, colocated_env=col_env)
     except ConfigError as exc:
         print(f"kvdisagg plan: {exc}", file=sys.stderr)

@@ -214,7 +214,7 @@ def _scaled(p: Disaggregated | Colocated, k: int) -> Disaggregated | Colocated:
     return msgspec.structs.replace(p, num_prefill=p.num_prefill * k, num_decode=p.num_decode * k)
 
 
-def plan(
+def search_plan(
     seed: TraceSeed,
     env: SimEnv,
     slo: SloTarget,

@@ -16,7 +16,7 @@ proxy replica (each routes its own share of the requests, so a drain must reach 
 
 Every wait is bounded: ``drain`` sends ``--timeout`` as the drain's bound and waits for the
 answer ``ANSWER_GRACE_S`` longer; the other commands wait ``--timeout`` for theirs. The exit
-status says what happened (``Exit``), so a hook or a script can tell a refused call from an
+status says what happened (``AdminExit``), so a hook or a script can tell a refused call from an
 unreachable proxy and from a drain that ran out of time.
 
 Its own imports are the standard library (urllib), msgspec and kvdisagg.keys (the key is read
@@ -51,7 +51,7 @@ ANSWER_GRACE_S = 10.0  # drain: wait this much past the drain's own bound for th
 ROLES = ("prefill", "decode", "kv_both")
 
 
-class Exit(enum.IntEnum):
+class AdminExit(enum.IntEnum):
     OK = 0
     REFUSED = 1  # the proxy answered with an error (its message is printed)
     USAGE = 2  # bad arguments, or the key file cannot be read (argparse exits 2 too)
@@ -64,7 +64,7 @@ class UsageError(Exception):
 
 
 # what the admin API answers (admin.py, registry.InstanceInfo); unknown fields are ignored
-class InstanceView(msgspec.Struct):
+class InstanceAnswer(msgspec.Struct):
     url: str
     role: str
     state: str
@@ -75,12 +75,12 @@ class InstanceView(msgspec.Struct):
 
 
 class _Listed(msgspec.Struct):
-    instances: list[InstanceView]
+    instances: list[InstanceAnswer]
 
 
 class _Drained(msgspec.Struct):
     drained: bool
-    instance: InstanceView
+    instance: InstanceAnswer
 
 
 class _ErrorBody(msgspec.Struct):
@@ -204,13 +204,13 @@ def _decode(raw: bytes, typ: type) -> Any:
         raise Refused(200, f"not an admin API answer ({exc}): {raw[:200]!r}") from None
 
 
-def _line(i: InstanceView) -> str:
+def _line(i: InstanceAnswer) -> str:
     legs = f"{i.in_flight.get('prefill', 0)}/{i.in_flight.get('decode', 0)}"
     return (f"{i.url:<32} {i.role:<8} {i.state:<9} {'yes' if i.healthy else 'no':<7} "
             f"{i.breaker:<9} {legs}")
 
 
-def execute(args: argparse.Namespace, out: TextIO) -> Exit:
+def execute(args: argparse.Namespace, out: TextIO) -> AdminExit:
     """One subcommand; raises UsageError, Refused, Unreachable."""
     if args.key is not None:
         raise UsageError(str(refused_on_command_line("--key", "--key-file", ADMIN_KEY_ENV)))
@@ -228,14 +228,14 @@ def execute(args: argparse.Namespace, out: TextIO) -> Exit:
                   "IN-FLIGHT P/D", file=out)
             for inst in listed.instances:
                 print(_line(inst), file=out)
-        return Exit.OK
+        return AdminExit.OK
     if cmd == "add":
         inst = _decode(client.call("POST", "/admin/add", {"url": args.url, "role": args.role},
-                                   args.timeout), InstanceView)
+                                   args.timeout), InstanceAnswer)
         print(f"added {inst.url} as {inst.role}: "
               + ("healthy" if inst.healthy else f"not healthy yet ({inst.last_probe_error})"),
               file=out)
-        return Exit.OK
+        return AdminExit.OK
     if cmd == "drain":
         raw = client.call("POST", "/admin/drain", {"url": args.url, "timeout_s": args.timeout,
                                                    "remove": args.remove},
@@ -244,16 +244,16 @@ def execute(args: argparse.Namespace, out: TextIO) -> Exit:
         if d.drained:
             print(f"drained {d.instance.url}: idle" + ("; removed" if args.remove else ""),
                   file=out)
-            return Exit.OK
+            return AdminExit.OK
         legs = sum(d.instance.in_flight.values())
         print(f"{d.instance.url}: legs still in flight after {args.timeout:g}s: {legs}; "
               "it takes no new work" + ("; not removed" if args.remove else ""), file=out)
-        return Exit.NOT_DRAINED
+        return AdminExit.NOT_DRAINED
     path = f"/admin/{cmd}"  # undrain, remove
-    inst = _decode(client.call("POST", path, {"url": args.url}, args.timeout), InstanceView)
+    inst = _decode(client.call("POST", path, {"url": args.url}, args.timeout), InstanceAnswer)
     print(f"removed {inst.url}" if cmd == "remove" else f"undrained {inst.url}: {inst.state}",
           file=out)
-    return Exit.OK
+    return AdminExit.OK
 
 
 def resolve_addresses(host: str, port: int) -> list[str]:
@@ -300,10 +300,10 @@ def _run_each(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         bases = proxy_addresses(args.proxy)
     except UsageError as exc:
         print(f"{prog}: {exc}", file=err)
-        return Exit.USAGE
+        return AdminExit.USAGE
     except Unreachable as exc:
         print(f"{prog}: cannot reach the proxy's admin API: {exc}", file=err)
-        return Exit.UNREACHABLE
+        return AdminExit.UNREACHABLE
     buffers = [(io.StringIO(), io.StringIO()) for _ in bases]
     # At once, not in turn: a drain may wait its whole --timeout at each replica, and the hook
     # calling it has one grace period for all of them.
@@ -325,13 +325,13 @@ def _run_one(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         return int(execute(args, out))
     except UsageError as exc:
         print(f"{prog}: {exc}", file=err)
-        return Exit.USAGE
+        return AdminExit.USAGE
     except Refused as exc:
         if exc.status == 404 and getattr(args, "missing_ok", False):
             print(f"{prog}: {exc} (ignored: --missing-ok)", file=err)
-            return Exit.OK
+            return AdminExit.OK
         print(f"{prog}: the proxy refused: {exc}", file=err)
-        return Exit.REFUSED
+        return AdminExit.REFUSED
     except Unreachable as exc:
         print(f"{prog}: cannot reach the proxy's admin API: {exc}", file=err)
-        return Exit.UNREACHABLE
+        return AdminExit.UNREACHABLE

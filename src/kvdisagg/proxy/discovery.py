@@ -3,7 +3,7 @@
 Each *source* (one DNS name, or one label selector) answers with a list of member URLs: DNS
 names are resolved every ``discovery.interval_s``; a Kubernetes selector is kept current by a
 list-then-watch of the pods (``KubernetesSource``), which wakes discovery at once on a change.
-What the sources say now is compared with what discovery added before (``plan()``, pure): new
+What the sources say now is compared with what discovery added before (``reconcile()``, pure): new
 URLs are added and probed the way ``POST /admin/add`` does it, vanished ones are drained, then
 removed, the way ``POST /admin/drain`` does it (both through ``admin.add_instance`` /
 ``admin.drain_instance``, so there is one membership mechanism, the registry's). Discovery owns
@@ -106,12 +106,12 @@ class EventType(str, enum.Enum):
     ERROR = "ERROR"  # the object is a Status (410: the resourceVersion is too old)
 
 
-class _Event(msgspec.Struct):
+class _WatchEvent(msgspec.Struct):
     type: EventType
     object: msgspec.Raw
 
 
-_decode_event = msgspec.json.Decoder(_Event).decode
+_decode_event = msgspec.json.Decoder(_WatchEvent).decode
 _decode_pod = msgspec.json.Decoder(_Pod).decode
 _decode_list = msgspec.json.Decoder(_PodList).decode
 _decode_status = msgspec.json.Decoder(_Status).decode
@@ -500,7 +500,7 @@ def desired(answers: Iterable[tuple[Role, list[str]]]) -> tuple[dict[str, Role],
     return want, clash
 
 
-def plan(want: dict[str, Role], owned: dict[str, Role], present: Iterable[str],
+def reconcile(want: dict[str, Role], owned: dict[str, Role], present: Iterable[str],
          draining: Iterable[str]) -> Changes:
     """What to change. ``owned``: URLs discovery added (and has not removed yet); ``present``:
     every URL in the registry (static, admin-added, discovered); ``draining``: owned URLs whose
@@ -519,7 +519,7 @@ def plan(want: dict[str, Role], owned: dict[str, Role], present: Iterable[str],
 
 
 class Discovery:
-    """Runs the sources on a timer and applies ``plan()`` to the registry."""
+    """Runs the sources on a timer and applies ``reconcile()`` to the registry."""
 
     def __init__(self, cfg: DiscoveryConfig, registry: Registry, drain_timeout_s: float,
                  on_error: Callable[[Source], None] | None = None,
@@ -562,7 +562,7 @@ class Discovery:
         for u in clash:
             log.warning("discovery: %s is listed as both prefill and decode; kept as %s",
                         u, want[u].value)
-        p = plan(want, self.owned, self.registry.instances, self.drains)
+        p = reconcile(want, self.owned, self.registry.instances, self.drains)
         for url in p.undrain:
             self.drains.pop(url).cancel()
             self.registry.undrain(url)

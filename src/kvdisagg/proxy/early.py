@@ -74,7 +74,7 @@ def early_params(template: bytes, handoff_id: str, token: str) -> bytes | None:
     return msgspec.json.encode(params)
 
 
-def wanted(s: Serving, ctx: RequestCtx) -> bool:
+def may_open_early(s: Serving, ctx: RequestCtx) -> bool:
     """Whether a disaggregated request may go out early (before choosing anything)."""
     return (s.cfg.decision.enabled and s.cfg.decision.early_decode
             and ctx.body.forwarded_ids is None)

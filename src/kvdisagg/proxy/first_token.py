@@ -61,7 +61,7 @@ class _Choice(msgspec.Struct):
     prompt_token_ids: Any = None  # completions: per choice
 
 
-class _Answer(msgspec.Struct):
+class _PrefillCompletion(msgspec.Struct):
     id: str = ""
     created: int = 0
     model: str = ""
@@ -70,7 +70,7 @@ class _Answer(msgspec.Struct):
     usage: Any = None
 
 
-_answer = msgspec.json.Decoder(_Answer).decode
+_answer = msgspec.json.Decoder(_PrefillCompletion).decode
 _encode = msgspec.json.Encoder().encode
 
 

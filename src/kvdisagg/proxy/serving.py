@@ -239,7 +239,7 @@ class Serving:
         decode = decision.decode
         if first is not None:
             opened = (await early.open_early(self, ctx, decision, first)
-                      if not avoid and early.wanted(self, ctx) else None)
+                      if not avoid and early.may_open_early(self, ctx) else None)
             if isinstance(opened, Opened):
                 self._count(decision, opened.pre)
             if isinstance(opened, Opened | web.Response):

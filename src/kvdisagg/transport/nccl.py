@@ -393,11 +393,11 @@ def _index(ids: list[int], device: torch.device) -> torch.Tensor:
     return torch.frombuffer(array.array("q", ids), dtype=torch.long).to(device)
 
 
-def spans(ids: Sequence[int], limit: int) -> list[tuple[int, int]]:
+def block_runs(ids: Sequence[int], limit: int) -> list[tuple[int, int]]:
     """``(first, count)`` of each run of consecutive ids, never across ``limit`` (where the
     pages end and the arena begins).
 
-    >>> spans([4, 5, 6, 9, 10, 11], 10)
+    >>> block_runs([4, 5, 6, 9, 10, 11], 10)
     [(4, 3), (9, 1), (10, 2)]
     """
     out: list[tuple[int, int]] = []
@@ -420,7 +420,7 @@ def _host_copy(region: LayerRegion, ids: Sequence[int], buf: int, into_kv: bool,
     layout.stage_into, which copies the same way for the same reason)."""
     page, n = region.page_bytes, region.num_blocks
     offset, nbytes = window or (0, page)
-    for first, count in spans(ids, n):
+    for first, count in block_runs(ids, n):
         if first < n:
             kv = region.pages.data_ptr() + first * page
         else:

@@ -11,7 +11,7 @@ from kvdisagg.planner.commands import Launch, launch_commands
 from kvdisagg.planner.goodput import SimEnv, SloTarget, goodput, max_rate, tightest_slo_scale
 from kvdisagg.planner.placement import Colocated, Disaggregated
 from kvdisagg.planner.profile import ParallelProfile, Profile, save_profile
-from kvdisagg.planner.search import plan
+from kvdisagg.planner.search import search_plan
 from kvdisagg.planner.workload import draw, load_lengths
 
 
@@ -68,7 +68,8 @@ def test_search_matches_brute_force(affinity):
         pl = Disaggregated(prefill_tp=tp_p, decode_tp=tp_d, num_prefill=n_p, num_decode=n_d)
         if pl.num_gpus <= gpus:
             best = max(best, goodput(pl, seed, env, slo, rel_tol=0.03).rate / pl.num_gpus)
-    found = plan(seed, env, slo, gpus=gpus, gpus_per_node=gpus, affinity=affinity, rel_tol=0.03)
+    found = search_plan(seed, env, slo, gpus=gpus, gpus_per_node=gpus, affinity=affinity,
+                        rel_tol=0.03)
     assert found.unit.per_gpu == pytest.approx(best, rel=0.04)
     assert found.unit.placement.num_gpus <= gpus
     assert found.colocated is not None and found.colocated.per_gpu > 0
@@ -78,13 +79,13 @@ def test_plan_replicates_to_meet_rate():
     env = SimEnv(profile=_profile())
     seed = draw(load_lengths("sharegpt"), 120, seed=0)
     slo = SloTarget(ttft_s=0.4, tpot_s=0.06)
-    free = plan(seed, env, slo, gpus=3, rel_tol=0.03)
+    free = search_plan(seed, env, slo, gpus=3, rel_tol=0.03)
     want = free.unit.goodput * 2.5
-    p = plan(seed, env, slo, gpus=12, rate=want, rel_tol=0.03)
+    p = search_plan(seed, env, slo, gpus=12, rate=want, rel_tol=0.03)
     assert p.meets_rate and p.predicted_goodput >= want
     assert p.replicas == -(-want // p.unit.goodput)
     assert p.deployment.num_gpus == p.replicas * p.unit.placement.num_gpus <= 12
-    short = plan(seed, env, slo, gpus=free.unit.placement.num_gpus, rate=want, rel_tol=0.03)
+    short = search_plan(seed, env, slo, gpus=free.unit.placement.num_gpus, rate=want, rel_tol=0.03)
     assert short.meets_rate is False and short.replicas == 1
 
 
@@ -162,7 +163,7 @@ def test_plan_keeps_instances_within_a_node():
     seed = draw(load_lengths("sharegpt"), 120, seed=0)
     slo = SloTarget(ttft_s=0.4, tpot_s=0.06)
     for affinity in ("high", "low"):
-        found = plan(seed, env, slo, gpus=4, gpus_per_node=1 if affinity == "high" else 4,
+        found = search_plan(seed, env, slo, gpus=4, gpus_per_node=1 if affinity == "high" else 4,
                      affinity=affinity, rel_tol=0.05)
         for cand in found.candidates:
             assert not unserved_at(cand.placement, 1 if affinity == "high" else 4), cand

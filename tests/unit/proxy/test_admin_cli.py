@@ -21,7 +21,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from kvdisagg.local.servers import free_port
 from kvdisagg.proxy import make_app
-from kvdisagg.proxy.admin_cli import Exit, add_arguments
+from kvdisagg.proxy.admin_cli import AdminExit, add_arguments
 from kvdisagg.proxy.admin_cli import run as admin_run
 from kvdisagg.proxy.app import ADMIN, REGISTRY
 from kvdisagg.proxy.config import (
@@ -100,16 +100,16 @@ def test_every_subcommand_changes_the_proxy(tmp_path: Path) -> None:
         async with fleet(tmp_path) as f:
             reg, d1 = f.registry, f.urls["d1"]
             code, out, err = await f.admin("list")
-            assert code == Exit.OK, err
+            assert code == AdminExit.OK, err
             lines = out.splitlines()
             assert lines[0].split()[:4] == ["URL", "ROLE", "STATE", "HEALTHY"]
             assert {ln.split()[0] for ln in lines[1:]} == {f.urls["p0"], f.urls["d0"]}
             code, out, _ = await f.admin("list", "--json")
-            assert code == Exit.OK
+            assert code == AdminExit.OK
             assert len(json.loads(out)["instances"]) == 2
             # add: probed, then routed to
             code, out, err = await f.admin("add", "--url", d1, "--role", "decode")
-            assert code == Exit.OK, err
+            assert code == AdminExit.OK, err
             assert f"added {d1} as decode: healthy" in out
             assert reg.get(d1).role is Role.DECODE and reg.get(d1).healthy
             for _ in range(4):
@@ -122,7 +122,7 @@ def test_every_subcommand_changes_the_proxy(tmp_path: Path) -> None:
             await asyncio.sleep(0.2)
             t0 = time.monotonic()
             code, out, err = await f.admin("drain", "--url", d1, "--timeout", "5")
-            assert code == Exit.OK, err
+            assert code == AdminExit.OK, err
             assert time.monotonic() - t0 > 0.2 and f"drained {d1}: idle" in out
             assert [(await q).status for q in reqs] == [200, 200]
             assert reg.get(d1).state is State.DRAINING
@@ -132,7 +132,7 @@ def test_every_subcommand_changes_the_proxy(tmp_path: Path) -> None:
             assert len(f.fakes["d1"].seen) == n  # drained: no new work
             # undrain
             code, out, _ = await f.admin("undrain", "--url", d1)
-            assert code == Exit.OK and "active" in out
+            assert code == AdminExit.OK and "active" in out
             assert reg.get(d1).state is State.ACTIVE
             # a drain that runs out of time: exit 4, not removed, no new work
             f.fakes["d1"].delay_s = f.fakes["d0"].delay_s = 1.5
@@ -141,25 +141,25 @@ def test_every_subcommand_changes_the_proxy(tmp_path: Path) -> None:
             await asyncio.sleep(0.2)
             t0 = time.monotonic()
             code, out, _ = await f.admin("drain", "--url", d1, "--timeout", "0.3", "--remove")
-            assert code == Exit.NOT_DRAINED and time.monotonic() - t0 < 1.2
+            assert code == AdminExit.NOT_DRAINED and time.monotonic() - t0 < 1.2
             assert "legs still in flight after 0.3s: 1" in out and "not removed" in out
             assert reg.get(d1).state is State.DRAINING
             assert [(await q).status for q in reqs] == [200, 200]
             # now idle: drain --remove takes it out
             code, out, _ = await f.admin("drain", "--url", d1, "--timeout", "1", "--remove")
-            assert code == Exit.OK and "removed" in out and d1 not in reg.instances
+            assert code == AdminExit.OK and "removed" in out and d1 not in reg.instances
             # an instance the proxy does not know
             code, _, err = await f.admin("remove", "--url", d1)
-            assert code == Exit.REFUSED and f"HTTP 404: no instance {d1} in the fleet" in err
+            assert code == AdminExit.REFUSED and f"HTTP 404: no instance {d1} in the fleet" in err
             for cmd in ("remove", "drain"):
                 code, _, err = await f.admin(cmd, "--url", d1, "--missing-ok")
-                assert code == Exit.OK and "ignored: --missing-ok" in err
+                assert code == AdminExit.OK and "ignored: --missing-ok" in err
             code, _, err = await f.admin("add", "--url", "http://10.9.9.9:8000", "--role",
                                          "decode")
-            assert code == Exit.REFUSED and "HTTP 403" in err and "allowed_targets" in err
+            assert code == AdminExit.REFUSED and "HTTP 403" in err and "allowed_targets" in err
             # remove a static member
             code, out, _ = await f.admin("remove", "--url", f.urls["d0"])
-            assert code == Exit.OK and f.urls["d0"] not in reg.instances
+            assert code == AdminExit.OK and f.urls["d0"] not in reg.instances
             assert set(reg.instances) == {f.urls["p0"]}
     asyncio.run(t())
 
@@ -172,35 +172,35 @@ def test_key_errors_and_unreachable_proxies_exit_with_their_status(
         async with fleet(tmp_path) as f:
             before = set(f.registry.instances)
             code, _, err = await f.admin("remove", "--url", f.urls["d0"], key=False)
-            assert code == Exit.REFUSED and "HTTP 401" in err and "Bearer" in err
+            assert code == AdminExit.REFUSED and "HTTP 401" in err and "Bearer" in err
             monkeypatch.setenv("KVDISAGG_ADMIN_KEY", "wrong")
             code, _, err = await f.admin("remove", "--url", f.urls["d0"], key=False)
-            assert code == Exit.REFUSED and "HTTP 401" in err
+            assert code == AdminExit.REFUSED and "HTTP 401" in err
             assert set(f.registry.instances) == before  # nothing changed
             monkeypatch.setenv("KVDISAGG_ADMIN_KEY", KEY)  # the key from the environment
             code, _, err = await f.admin("list", key=False)
-            assert code == Exit.OK, err
+            assert code == AdminExit.OK, err
             monkeypatch.delenv("KVDISAGG_ADMIN_KEY")
             f.key_file = tmp_path / "missing"
             code, _, err = await f.admin("list")
-            assert code == Exit.USAGE and "--key-file: cannot read" in err
+            assert code == AdminExit.USAGE and "--key-file: cannot read" in err
             (tmp_path / "empty").write_text("\n")
             f.key_file = tmp_path / "empty"
             code, _, err = await f.admin("list")
-            assert code == Exit.USAGE and "is empty" in err
+            assert code == AdminExit.USAGE and "is empty" in err
             f.key_file = tmp_path / "key"
             code, _, err = await f.admin("list", "--key", KEY)
-            assert code == Exit.USAGE and "--key is not accepted" in err
+            assert code == AdminExit.USAGE and "--key is not accepted" in err
             code, _, err = await f.admin("list", "--timeout", "0")
-            assert code == Exit.USAGE and "--timeout" in err
+            assert code == AdminExit.USAGE and "--timeout" in err
             f.admin_url = "ftp://127.0.0.1:1"
             code, _, err = await f.admin("list")
-            assert code == Exit.USAGE and "--proxy" in err
+            assert code == AdminExit.USAGE and "--proxy" in err
 
         # refused connection: at once
         args = parser().parse_args(["list", "--proxy", f"http://127.0.0.1:{free_port()}"])
         err = io.StringIO()
-        assert admin_run(args, io.StringIO(), err) == Exit.UNREACHABLE
+        assert admin_run(args, io.StringIO(), err) == AdminExit.UNREACHABLE
         assert "cannot reach the proxy's admin API" in err.getvalue()
         # a proxy that accepts and never answers: bounded by --timeout
         held: list[asyncio.StreamWriter] = []
@@ -216,7 +216,7 @@ def test_key_errors_and_unreachable_proxies_exit_with_their_status(
             err = io.StringIO()
             t0 = time.monotonic()
             code = await asyncio.to_thread(admin_run, args, io.StringIO(), err)
-            assert code == Exit.UNREACHABLE and time.monotonic() - t0 < 2.0
+            assert code == AdminExit.UNREACHABLE and time.monotonic() - t0 < 2.0
             assert "no answer within 0.5s" in err.getvalue()
         finally:
             for w in held:
@@ -247,7 +247,7 @@ def test_the_console_command_runs_as_a_hook_would(tmp_path: Path) -> None:
 
 def test_exit_statuses_are_documented() -> None:
     doc = (ROOT / "docs" / "configuration.md").read_text()
-    for e in Exit:
+    for e in AdminExit:
         assert f"| {e.value} |" in doc, f"docs/configuration.md: exit status {e.value} ({e.name})"
 
 
@@ -289,7 +289,7 @@ def test_each_address_drains_at_every_proxy_replica(
                 d0 = f.urls["d0"]
                 code, out, err = await f.admin("drain", "--url", d0, "--timeout", "5",
                                                "--each-address")
-                assert code == Exit.OK, err
+                assert code == AdminExit.OK, err
                 assert resolved == [("kvdisagg-proxy-admin", port)]
                 for ip in ("127.0.0.1", "127.0.0.2"):
                     assert f"http://{ip}:{port}: drained {d0}: idle" in out
@@ -297,12 +297,12 @@ def test_each_address_drains_at_every_proxy_replica(
                 assert second[REGISTRY].get(d0).state is State.DRAINING
                 # a replica that does not answer: the others are still drained, exit 3
                 code, out, _ = await f.admin("undrain", "--url", d0, "--each-address")
-                assert code == Exit.OK and out.count("active") == 2
+                assert code == AdminExit.OK and out.count("active") == 2
                 monkeypatch.setattr(admin_cli, "resolve_addresses",
                                     lambda h, p: ["127.0.0.1", "127.0.0.2", "127.0.0.3"])
                 code, out, err = await f.admin("drain", "--url", d0, "--timeout", "5",
                                                "--each-address")
-                assert code == Exit.UNREACHABLE
+                assert code == AdminExit.UNREACHABLE
                 assert out.count("idle") == 2 and f"http://127.0.0.3:{port}: " in err
                 assert second[REGISTRY].get(d0).state is State.DRAINING
                 # no address at all; https refused (a certificate names a host)
@@ -310,10 +310,10 @@ def test_each_address_drains_at_every_proxy_replica(
                     raise admin_cli.Unreachable(f"{h}: Name or service not known")
                 monkeypatch.setattr(admin_cli, "resolve_addresses", nothing)
                 code, _, err = await f.admin("list", "--each-address")
-                assert code == Exit.UNREACHABLE and "Name or service not known" in err
+                assert code == AdminExit.UNREACHABLE and "Name or service not known" in err
                 f.admin_url = f"https://kvdisagg-proxy-admin:{port}"
                 code, _, err = await f.admin("list", "--each-address")
-                assert code == Exit.USAGE and "--each-address" in err
+                assert code == AdminExit.USAGE and "--each-address" in err
             finally:
                 await admin2.close()
                 await client.close()

@@ -43,7 +43,7 @@ from kvdisagg.proxy.discovery import (
     desired,
     parse_pods,
     parse_target,
-    plan,
+    reconcile,
     srv_urls,
 )
 from kvdisagg.proxy.metrics import Metrics
@@ -156,17 +156,17 @@ def test_plan_adds_new_drains_vanished_and_leaves_static_alone() -> None:
     static = "http://static:1"
     owned = {"http://d1:1": D, "http://d2:1": D}
     want = {"http://d2:1": D, "http://d3:1": D, static: D, "http://p1:1": P}
-    p = plan(want, owned, present=[static, *owned], draining=[])
+    p = reconcile(want, owned, present=[static, *owned], draining=[])
     assert [(s.url, s.role) for s in p.add] == [("http://d3:1", D), ("http://p1:1", P)]
     assert p.drain == ["http://d1:1"] and p.undrain == []
     # the static member vanishing from DNS is not drained: discovery does not own it
-    p = plan({}, owned, present=[static, *owned], draining=[])
+    p = reconcile({}, owned, present=[static, *owned], draining=[])
     assert sorted(p.drain) == ["http://d1:1", "http://d2:1"] and p.add == []
     # a member back while its drain runs is undrained, not added twice nor drained again
-    p = plan({"http://d1:1": D}, owned, present=owned, draining=["http://d1:1"])
+    p = reconcile({"http://d1:1": D}, owned, present=owned, draining=["http://d1:1"])
     assert p.undrain == ["http://d1:1"] and p.add == [] and p.drain == ["http://d2:1"]
     # a member that changed role is drained (and added again once removed)
-    assert plan({"http://d1:1": P}, {"http://d1:1": D}, ["http://d1:1"], []).drain == [
+    assert reconcile({"http://d1:1": P}, {"http://d1:1": D}, ["http://d1:1"], []).drain == [
         "http://d1:1"]
 
 

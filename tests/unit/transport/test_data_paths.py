@@ -25,7 +25,7 @@ from kvdisagg.errors import TransferFailed
 from kvdisagg.transport import nccl
 from kvdisagg.transport.base import TRANSPORTS, transport_class
 from kvdisagg.transport.mooncake import JoinedReads, MemoryInfo, MooncakeTransport, _address
-from kvdisagg.transport.nccl import NcclTransport, plan_messages, spans
+from kvdisagg.transport.nccl import NcclTransport, block_runs, plan_messages
 from kvdisagg.transport.pull import Deadline, PullPlan
 from kvdisagg.transport.tcp import TcpTransport
 
@@ -126,7 +126,7 @@ def test_plan_messages_split_a_layer_larger_than_the_cap() -> None:
     ([5, 4, 6, 7], 100, [(5, 1), (4, 1), (6, 2)]),
 ])
 def test_spans_coalesce_consecutive_ids_but_not_across_the_arena(ids, limit, expected) -> None:
-    assert spans(ids, limit) == expected
+    assert block_runs(ids, limit) == expected
 
 
 # ---- nccl: gather, send, receive, scatter ------------------------------------------------------
