@@ -14,6 +14,7 @@ from typing import Any
 from aiohttp.test_utils import TestClient, TestServer
 
 from kvdisagg.local.servers import free_port
+from kvdisagg.prom_text import samples, total
 from kvdisagg.proxy import make_app
 from kvdisagg.proxy.app import ADMIN
 from kvdisagg.proxy.config import (
@@ -37,16 +38,9 @@ async def until(cond: Callable[[], bool], what: str, timeout_s: float = 5.0) -> 
 
 
 def metric(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith("#") or not line.startswith(name):
-            continue
-        head, value = line.rsplit(" ", 1)
-        if head.split("{", 1)[0] != name:
-            continue
-        if all(f'{k}="{v}"' in head for k, v in labels.items()):
-            total += float(value)
-    return total
+    """Sum of ``name``'s samples in an exposition text whose labels include ``labels`` (0 if
+    none)."""
+    return total(samples(text), name, **labels) or 0.0
 
 
 class Env:

@@ -103,16 +103,22 @@ def exposition_families(text: str) -> dict[str, set[str]]:
     the way Prometheus stores them: a counter family ``x`` as ``x_total``, a histogram as
     ``_bucket`` (with ``le``), ``_sum`` and ``_count``, and a label ``instance`` as
     ``exported_instance`` (the scrape keeps ``instance`` for the target)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     series: dict[str, set[str]] = {}
-    for name, kind in re.findall(r"^# TYPE (\S+) (\w+)$", text, re.M):
-        names = {"counter": [name if name.endswith("_total") else name + "_total"],
-                 "histogram": [name + "_bucket", name + "_sum", name + "_count"]}.get(kind, [name])
+    for family in text_string_to_metric_families(text):
+        if family.type == "unknown":  # no # TYPE line
+            continue
+        name = family.name  # a counter's without its _total (prometheus_client's reading)
+        names = {"counter": [name + "_total"],
+                 "histogram": [name + "_bucket", name + "_sum", name + "_count"]
+                 }.get(family.type, [name])
         for n in names:
             series[n] = {"le"} if n.endswith("_bucket") else set()
-    for name, raw in re.findall(r"^([a-zA-Z_:][\w:]*)\{(.*)\} \S+$", text, re.M):
-        if name in series:
-            labels = set(re.findall(r'(\w+)="', raw))
-            series[name] |= {"exported_instance" if lb == "instance" else lb for lb in labels}
+        for s in family.samples:
+            if s.name in series:
+                series[s.name] |= {"exported_instance" if lb == "instance" else lb
+                                   for lb in s.labels}
     return series
 
 

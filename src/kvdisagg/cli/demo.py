@@ -20,10 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from kvdisagg.bench.scrape import parse
 from kvdisagg.local.fleet import Fleet
 from kvdisagg.local.servers import metric_value
 from kvdisagg.local.tiny_model import ensure_tiny_model
+from kvdisagg.prom_text import samples
 from kvdisagg.proxy.config import DecisionConfig
 
 
@@ -132,7 +132,7 @@ WHY: dict[Why, str] = {
 def routed(metrics_text: str) -> Counter[Why]:
     """The proxy's requests by (route, reason): its ``kvdisagg_proxy_routed_total``."""
     out: Counter[Why] = Counter()
-    for sample in parse(metrics_text):
+    for sample in samples(metrics_text):
         if sample.name == ROUTED:
             out[sample.labels.get("route", ""), sample.labels.get("reason", "")] += int(
                 sample.value)

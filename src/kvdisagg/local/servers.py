@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-from kvdisagg.bench.scrape import parse, total
+from kvdisagg.prom_text import samples, total
 
 __all__ = ["LMCacheServer", "VllmServer", "free_port", "metric_value", "stop_all",
            "VllmServerError"]
@@ -291,8 +291,8 @@ def metric_value(base_url: str, name: str, timeout_s: float = 5.0, **labels: str
     """Sum of the samples of Prometheus metric ``name`` at ``base_url/metrics`` whose labels
     include ``labels`` (0 if none); a counter's ``_total`` form is accepted for ``name``."""
     with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=timeout_s) as r:
-        samples = parse(r.read().decode("utf-8", "replace"))
-    value = total(samples, name, **labels)
+        found = samples(r.read())
+    value = total(found, name, **labels)
     if value is None and not name.endswith("_total"):
-        value = total(samples, name + "_total", **labels)
+        value = total(found, name + "_total", **labels)
     return value or 0.0

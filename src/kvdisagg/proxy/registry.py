@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import re
 import time
 from collections.abc import Callable
 
@@ -38,6 +37,7 @@ import msgspec
 
 from kvdisagg.connector.protocol.versions import Versions
 from kvdisagg.errors import UpstreamError, UpstreamTimeout
+from kvdisagg.prom_text import Sample, samples
 from kvdisagg.proxy.breaker import BreakerState, CircuitBreaker
 from kvdisagg.proxy.config import InstanceSpec, ProxyConfig
 from kvdisagg.proxy.types import Role, Side
@@ -251,52 +251,59 @@ class Instance:
                                    streams=self.retiring)
 
 
-def parse_vllm_queue(text: bytes) -> tuple[float, float]:
+_WAITING, _RUNNING = "vllm:num_requests_waiting", "vllm:num_requests_running"
+_RECOMPUTED = "vllm:kvdisagg_recomputed_prompts_total"
+_PROTOCOL_MAX = "vllm:kvdisagg_protocol_version"
+_PROTOCOL_MIN = "vllm:kvdisagg_protocol_version_min"
+_RETIRING = "vllm:kvdisagg_retiring"
+PROBED = (_WAITING, _RUNNING, _RECOMPUTED, _PROTOCOL_MAX, _RETIRING)
+"""Name prefixes of the samples a probe reads from vLLM's /metrics (``probe_samples``)."""
+
+
+def probe_samples(text: bytes) -> list[Sample]:
+    """The samples of vLLM's /metrics that a probe reads: one parse of the ``PROBED`` lines
+    (a whole page, with vLLM's histograms, would take about 100 times longer on the proxy's
+    loop). ValueError: not the exposition format."""
+    return samples(text, PROBED)
+
+
+def vllm_queue(found: list[Sample]) -> tuple[float, float]:
     """Sum vLLM's ``num_requests_waiting`` / ``num_requests_running`` gauges over engines."""
     waiting = running = 0.0
-    for line in text.split(b"\n"):
-        if line.startswith(b"vllm:num_requests_waiting"):
-            waiting += _sample(line)
-        elif line.startswith(b"vllm:num_requests_running"):
-            running += _sample(line)
+    for s in found:
+        if s.name.startswith(_WAITING):
+            waiting += s.value
+        elif s.name.startswith(_RUNNING):
+            running += s.value
     return waiting, running
 
 
-_RECOMPUTED = b"vllm:kvdisagg_recomputed_prompts_total{"
-_REASON = re.compile(rb'[{,]reason="([^"]*)"')
-
-
-def parse_recomputed(text: bytes) -> dict[str, float]:
+def recomputed_by_reason(found: list[Sample]) -> dict[str, float]:
     """Sum ``vllm:kvdisagg_recomputed_prompts_total`` by its ``reason`` label over engines
     (connector/stats.py RECOMPUTED): requests that came with a handoff but whose prompt the
     instance computed itself."""
     out: dict[str, float] = {}
-    for line in text.split(b"\n"):
-        if line.startswith(_RECOMPUTED) and (m := _REASON.search(line)):
-            reason = m.group(1).decode("utf-8", "replace")
-            out[reason] = out.get(reason, 0.0) + _sample(line)
+    for s in found:
+        if s.name == _RECOMPUTED and "reason" in s.labels:
+            out[s.labels["reason"]] = out.get(s.labels["reason"], 0.0) + s.value
     return out
 
 
-_PROTOCOL_MAX = b"vllm:kvdisagg_protocol_version"
-_PROTOCOL_MIN = b"vllm:kvdisagg_protocol_version_min"
-
-
-def parse_protocol(text: bytes) -> Versions | None:
+def protocol_versions(found: list[Sample]) -> Versions | None:
     """The side-channel versions the instance speaks, from its ``vllm:kvdisagg_protocol_version``
     and ``vllm:kvdisagg_protocol_version_min`` gauges (connector/stats.py VERSION_GAUGES); over
     several engines, the versions all of them speak. None: it exports neither."""
-    his: list[int] = []
-    los: list[int] = []
-    for line in text.split(b"\n"):
-        if line.startswith(_PROTOCOL_MIN) and line[len(_PROTOCOL_MIN):][:1] in (b"{", b" "):
-            los.append(int(_sample(line)))
-        elif line.startswith(_PROTOCOL_MAX) and line[len(_PROTOCOL_MAX):][:1] in (b"{", b" "):
-            his.append(int(_sample(line)))
+    his = [int(s.value) for s in found if s.name == _PROTOCOL_MAX]
+    los = [int(s.value) for s in found if s.name == _PROTOCOL_MIN]
     if not his:
         return None
     hi = min(his)
     return Versions(max(los) if los else hi, hi)
+
+
+def is_retiring(found: list[Sample]) -> bool:
+    """Whether any engine of the instance exports ``vllm:kvdisagg_retiring`` 1."""
+    return any(s.value > 0 for s in found if s.name.startswith(_RETIRING))
 
 
 class _HandoffExtras(msgspec.Struct):
@@ -339,12 +346,6 @@ def pairable(prefill: Instance, decode: Instance) -> bool:
     return accepts(decode, prefill.protocol)
 
 
-def parse_retiring(text: bytes) -> bool:
-    """Whether any engine of the instance exports ``vllm:kvdisagg_retiring`` 1."""
-    return any(_sample(line) > 0 for line in text.split(b"\n")
-               if line.startswith(b"vllm:kvdisagg_retiring"))
-
-
 class _ModelCard(msgspec.Struct):
     max_model_len: int | None = None
 
@@ -363,13 +364,6 @@ def parse_max_model_len(text: bytes) -> int | None:
     except msgspec.DecodeError:  # ValidationError included
         return None
     return min(lens) if lens else None
-
-
-def _sample(line: bytes) -> float:
-    try:
-        return float(line.rsplit(b" ", 1)[1])
-    except (IndexError, ValueError):
-        return 0.0
 
 
 class Registry:
@@ -471,17 +465,18 @@ class Registry:
                                                headers_s=cfg.timeout_s)
                 text = await resp.read(cfg.timeout_s)
                 if resp.status == 200:
-                    inst.vllm_waiting, inst.vllm_running = parse_vllm_queue(text)
+                    found = probe_samples(text)
+                    inst.vllm_waiting, inst.vllm_running = vllm_queue(found)
                     # Discounted by the most of our own legs it may have counted: a leg that
                     # ended during the scrape must not read as another client's for a probe
                     # interval (it blocked prefill_busy right after a burst).
                     mine = max(mine, inst.in_flight(Side.DECODE))
                     inst.vllm_others = max(0.0, inst.vllm_waiting + inst.vllm_running - mine)
-                    inst.recomputed = parse_recomputed(text)
-                    if (versions := parse_protocol(text)) is not None:
+                    inst.recomputed = recomputed_by_reason(found)
+                    if (versions := protocol_versions(found)) is not None:
                         inst.protocol = versions
-                    self.follow_retiring(inst, parse_retiring(text))
-            except UpstreamError:
+                    self.follow_retiring(inst, is_retiring(found))
+            except (UpstreamError, ValueError):  # ValueError: not the exposition format
                 pass
         if ok and inst.max_model_len is None:
             try:

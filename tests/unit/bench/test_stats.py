@@ -213,7 +213,8 @@ def test_met_per_event_times_tpot_like_the_proxy() -> None:
 
 
 def test_phase_breakdown_from_histogram_deltas():
-    from kvdisagg.bench.scrape import parse, phase_means, phase_totals
+    from kvdisagg.bench.scrape import phase_means, phase_totals
+    from kvdisagg.prom_text import samples
 
     def text(transfer: tuple[int, float], leg: tuple[int, float]) -> str:
         return (f'vllm:kvdisagg_phase_seconds_count{{engine="0",phase="transfer"}} {transfer[0]}\n'
@@ -223,9 +224,9 @@ def test_phase_breakdown_from_histogram_deltas():
                 f"kvdisagg_proxy_handoff_seconds_sum {leg[1]}\n"
                 f"kvdisagg_proxy_ttft_seconds_count 99\n")
 
-    before = phase_totals(parse(text((2, 0.004), (5, 1.0))))
+    before = phase_totals(samples(text((2, 0.004), (5, 1.0))))
     assert before == {"transfer": (2, 0.004), "prefill leg": (5, 1.0)}
-    after = phase_totals(parse(text((6, 0.012), (5, 1.0))))
+    after = phase_totals(samples(text((6, 0.012), (5, 1.0))))
     (m,) = phase_means("http://d", before, after)  # the prefill leg saw nothing new
     assert (m.where, m.phase, m.count) == ("http://d", "transfer", 4)
     assert abs(m.mean_s - 0.002) < 1e-12

@@ -40,7 +40,7 @@ def test_the_instance_exports_the_protocol_versions_it_speaks_as_the_proxy_reads
 
     from kvdisagg.connector.protocol.versions import SPOKEN, Versions
     from kvdisagg.connector.stats import DisaggPromMetrics
-    from kvdisagg.proxy.registry import parse_protocol
+    from kvdisagg.proxy.registry import probe_samples, protocol_versions
 
     for extra, want in (({}, SPOKEN), ({"protocol_version_override": 9}, Versions(9, 9))):
         registry = CollectorRegistry()
@@ -52,4 +52,4 @@ def test_the_instance_exports_the_protocol_versions_it_speaks_as_the_proxy_reads
                           {0: ["tiny", "0"], 1: ["tiny", "1"]})
         text = generate_latest(registry)
         assert b'vllm:kvdisagg_protocol_version{engine="1",model_name="tiny"}' in text
-        assert parse_protocol(text) == want
+        assert protocol_versions(probe_samples(text)) == want

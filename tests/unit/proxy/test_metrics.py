@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kvdisagg import prom_text
 from kvdisagg.proxy.cache_index import IndexState, InstanceStatus
 from kvdisagg.proxy.config import InstanceSpec, ProxyConfig, SloConfig
 from kvdisagg.proxy.kv_events import IndexCounters
@@ -26,7 +27,8 @@ LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\.)*)"')
 def parse(text: str) -> tuple[dict[str, str], list[tuple[str, dict[str, str], float]]]:
     """(family -> TYPE, samples) of an exposition text; fails on anything Prometheus would not
     take: a malformed line, a sample before its family's TYPE, a family typed twice, a sample
-    repeated."""
+    repeated (a check of the format stricter than prometheus_client's lax parser, which must
+    read the same samples)."""
     types: dict[str, str] = {}
     samples: list[tuple[str, dict[str, str], float]] = []
     seen: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
@@ -53,6 +55,13 @@ def parse(text: str) -> tuple[dict[str, str], list[tuple[str, dict[str, str], fl
         assert key not in seen, f"sample repeated: {line}"
         seen.add(key)
         samples.append((name, labels, float(value)))
+    # the reading every other reader of /metrics uses (prometheus_client's parser) agrees,
+    # label values unescaped there (escaped again to compare)
+    def escaped(v: str) -> str:
+        return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+    assert [(s.name, {k: escaped(v) for k, v in s.labels.items()}, s.value)
+            for s in prom_text.samples(text)] == samples
     return types, samples
 
 

@@ -27,7 +27,7 @@ from kvdisagg.proxy.policies import (
     SloAware,
     Verdict,
 )
-from kvdisagg.proxy.registry import Instance, parse_recomputed, parse_vllm_queue
+from kvdisagg.proxy.registry import Instance, probe_samples, recomputed_by_reason, vllm_queue
 from kvdisagg.proxy.types import Role, Side
 
 
@@ -181,7 +181,7 @@ def test_parse_vllm_queue() -> None:
         b'vllm:num_requests_waiting{engine="1"} 2.0\nvllm:num_requests_running{engine="0"} 4.0\n'
         b"vllm:num_requests_running_total 99\n"
     )
-    assert parse_vllm_queue(text) == (5.0, 4.0 + 99)
+    assert vllm_queue(probe_samples(text)) == (5.0, 4.0 + 99)
 
 
 def test_parse_recomputed_sums_engines_by_reason() -> None:
@@ -194,8 +194,8 @@ def test_parse_recomputed_sums_engines_by_reason() -> None:
             b'reason="load_failed"} 1.7e9\n'
             b'vllm:kvdisagg_recomputed_prompts_total{engine="0",model_name="m",'
             b'reason="not_read"} 0.0\n')
-    assert parse_recomputed(text) == {"load_failed": 3.0, "not_read": 0.0}
-    assert parse_recomputed(b"vllm:num_requests_running 1\n") == {}
+    assert recomputed_by_reason(probe_samples(text)) == {"load_failed": 3.0, "not_read": 0.0}
+    assert recomputed_by_reason(probe_samples(b"vllm:num_requests_running 1\n")) == {}
 
 
 def test_decode_body_splices_client_bytes() -> None:

@@ -29,7 +29,10 @@ def test_the_registry_tells_its_listeners_of_members() -> None:
 
 def test_an_instances_protocol_versions_from_its_gauges_and_from_handoff_params() -> None:
     from kvdisagg.connector.protocol.versions import Versions
-    from kvdisagg.proxy.registry import handoff_versions, parse_protocol
+    from kvdisagg.proxy.registry import handoff_versions, probe_samples, protocol_versions
+
+    def parse_protocol(text: bytes) -> Versions | None:
+        return protocol_versions(probe_samples(text))
 
     both = (b'# HELP vllm:kvdisagg_protocol_version The newest ...\n'
             b'vllm:kvdisagg_protocol_version{engine="0",model_name="m"} 5.0\n'
