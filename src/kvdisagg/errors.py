@@ -2,7 +2,6 @@
 
     KvDisaggError
     ├── ConfigError             a bad or unknown kv_connector_extra_config key
-    ├── HandoffError            kv_transfer_params that cannot be honoured (missing, forged, stale)
     ├── IncompatiblePeerError   the two sides' KV layouts differ
     ├── TransportError
     │   ├── PeerUnreachable     could not connect within the timeout
@@ -26,10 +25,6 @@ class KvDisaggError(Exception):
 
 class ConfigError(KvDisaggError, ValueError):
     """A connector setting is unknown or out of range; the message names the key."""
-
-
-class HandoffError(KvDisaggError):
-    """kv_transfer_params that decode cannot use."""
 
 
 class IncompatiblePeerError(KvDisaggError):

@@ -214,11 +214,6 @@ def pull_slices(regions: Sequence[LayerRegion], layers: Sequence[int], first_hea
     return out
 
 
-def is_whole(regions: Sequence[LayerRegion], slices: Sequence[Slice]) -> bool:
-    """Every slice is a whole page: a run of blocks is then one contiguous range."""
-    return all(s.nbytes == regions[s.region].page_bytes for s in slices)
-
-
 class Span(NamedTuple):
     """``nbytes`` contiguous bytes of region ``region`` from ``offset`` bytes into its block
     ``block`` (a page, or an arena block from ``num_blocks`` on)."""

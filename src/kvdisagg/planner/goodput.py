@@ -43,9 +43,6 @@ class SloTarget(msgspec.Struct, frozen=True, kw_only=True):
     attainment: float = 0.9
     """Target fraction of requests meeting both SLOs."""
 
-    def scaled(self, k: float) -> SloTarget:
-        return SloTarget(ttft_s=self.ttft_s * k, tpot_s=self.tpot_s * k, attainment=self.attainment)
-
 
 class SimEnv(msgspec.Struct, frozen=True, kw_only=True):
     """What a simulation needs beyond the placement and the trace."""

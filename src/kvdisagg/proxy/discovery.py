@@ -131,11 +131,6 @@ def pod_url(pod: _Pod, port: int) -> str | None:
         return None
 
 
-def parse_pods(doc: dict[str, Any], port: int) -> list[str]:
-    """URLs of the routable pods of a ``PodList`` (as decoded JSON)."""
-    pods = msgspec.convert(doc, _PodList).items or []
-    return sorted({u for u in (pod_url(p, port) for p in pods) if u})
-
 # sources
 class Source(Protocol):
     label: str  # as logged and in the metric's `source` label

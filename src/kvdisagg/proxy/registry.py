@@ -183,10 +183,6 @@ class Instance:
             self.tpot_load += _EWMA * (load - self.tpot_load)
 
     @property
-    def routable(self) -> bool:
-        return self.state is State.ACTIVE and self.healthy and self.breaker.can_execute()
-
-    @property
     def up(self) -> bool:
         """What /metrics and /admin/list report as healthy."""
         return self.healthy and self.breaker.state is not BreakerState.OPEN

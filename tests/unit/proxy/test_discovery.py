@@ -41,7 +41,6 @@ from kvdisagg.proxy.discovery import (
     Target,
     address_urls,
     desired,
-    parse_pods,
     parse_target,
     reconcile,
     srv_urls,
@@ -125,27 +124,6 @@ def test_record_parsing_builds_urls() -> None:
         "http://10.0.0.2:8201", "http://pod-1.d.ns.svc.cluster.local:8200"]
     assert address_urls(["10.0.0.9", "10.0.0.1", "fd00::1", "10.0.0.1"], 8100) == [
         "http://10.0.0.1:8100", "http://10.0.0.9:8100", "http://[fd00::1]:8100"]
-
-
-def test_kubernetes_pod_parsing() -> None:
-    ready = [{"type": "Ready", "status": "True"}]
-    pods = {"kind": "PodList", "items": [
-        {"metadata": {"name": "a"}, "status": {"phase": "Running", "podIP": "10.1.0.5",
-                                               "conditions": ready}},
-        {"metadata": {"name": "b"}, "status": {"phase": "Running", "podIP": "10.1.0.6",
-                                               "conditions": [{"type": "Ready",
-                                                               "status": "False"}]}},
-        {"metadata": {"name": "c", "deletionTimestamp": "2025-01-01T00:00:00Z"},
-         "status": {"phase": "Running", "podIP": "10.1.0.7", "conditions": ready}},
-        {"metadata": {"name": "d"}, "status": {"phase": "Pending", "conditions": ready}},
-    ]}
-    assert parse_pods(pods, 8200) == ["http://10.1.0.5:8200"]
-    assert parse_pods({"items": []}, 8200) == []
-    bad_ip = {"metadata": {"name": "e"}, "status": {"phase": "Running", "podIP": "10.1.0",
-                                                    "conditions": ready}}
-    v6 = {"metadata": {"name": "f"}, "status": {"phase": "Running", "podIP": "fd00::7",
-                                                "conditions": ready}}
-    assert parse_pods({"items": [bad_ip, v6]}, 8200) == ["http://[fd00::7]:8200"]
 
 
 # the diff

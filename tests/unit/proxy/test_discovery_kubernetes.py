@@ -133,6 +133,31 @@ def test_lists_every_page_then_applies_watch_events_and_bookmarks(sa: Path) -> N
     run(t())
 
 
+def test_only_running_ready_pods_with_an_address_are_members(sa: Path) -> None:
+    """A pod is a member while Running, Ready and not being deleted, with a valid podIP
+    (IPv6 bracketed); none of a selector's pods: no members."""
+    async def t() -> None:
+        async with kube_api(page_size=10) as (api, url):
+            empty = source(url, sa, port=8200)
+            try:
+                assert await empty.resolve() == []
+            finally:
+                await empty.close()
+            api.add("a", DEC, "10.1.0.5")
+            api.add("b", DEC, "10.1.0.6", ready=False)
+            api.add("c", DEC, "10.1.0.7")
+            api.terminate("c")  # deletionTimestamp set, still Ready
+            api.add("d", DEC, None, phase="Pending")
+            api.add("e", DEC, "10.1.0")  # not an address
+            api.add("f", DEC, "fd00::7")
+            src = source(url, sa, port=8200)
+            try:
+                assert await src.resolve() == ["http://10.1.0.5:8200", "http://[fd00::7]:8200"]
+            finally:
+                await src.close()
+    run(t())
+
+
 def test_dropped_watch_resumes_from_the_last_resource_version(sa: Path) -> None:
     async def t() -> None:
         async with kube_api() as (api, url):

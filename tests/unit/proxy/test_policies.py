@@ -27,7 +27,12 @@ from kvdisagg.proxy.policies import (
     SloAware,
     Verdict,
 )
-from kvdisagg.proxy.registry import Instance, probe_samples, recomputed_by_reason, vllm_queue
+from kvdisagg.proxy.registry import (
+    Registry,
+    probe_samples,
+    recomputed_by_reason,
+    vllm_queue,
+)
 from kvdisagg.proxy.types import Role, Side
 
 
@@ -162,17 +167,18 @@ def test_circuit_breaker_transitions() -> None:
 
 def test_health_hysteresis() -> None:
     cfg = ProxyConfig()  # failure_threshold 2, success_threshold 2
-    inst = Instance(InstanceSpec(url="http://a:1", role=Role.PREFILL), cfg)
+    reg = Registry(cfg)
+    inst = reg.add(InstanceSpec(url="http://a:1", role=Role.PREFILL))
     inst.probe_result(True, None, cfg)
     assert inst.healthy  # the first answer counts at once
     inst.probe_result(False, "x", cfg)
     assert inst.healthy
     inst.probe_result(False, "x", cfg)
-    assert not inst.healthy and not inst.routable
+    assert not inst.healthy and reg.candidates(Side.PREFILL) == []
     inst.probe_result(True, None, cfg)
     assert not inst.healthy
     inst.probe_result(True, None, cfg)
-    assert inst.healthy and inst.routable
+    assert inst.healthy and reg.candidates(Side.PREFILL) == [inst]
 
 
 def test_parse_vllm_queue() -> None:
