@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The development and CI environment: creates .venv in the project root with kvdisagg
 # (editable), the right vLLM for this host, every transport's dependency (Mooncake, LMCache),
-# bench's plots, the test tools, and vllm-router in .venv-router. Idempotent: a second run only
-# checks. A host that only serves needs one extra: pip install '.[gpu]' (docs/configuration.md).
+# bench's and the planner's packages, the test tools, and vllm-router in .venv-router.
+# Idempotent: a second run only checks. A host that only serves needs one extra: pip install
+# '.[gpu]' (docs/configuration.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Mooncake's engine links libibverbs even for TCP (PLATFORM.md).
@@ -24,9 +25,9 @@ fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 PIP=".venv/bin/pip --disable-pip-version-check -q"
 if command -v nvidia-smi >/dev/null 2>&1; then
-  EXTRAS="gpu,mooncake-gpu,lmcache,tracing,bench,test"
+  EXTRAS="gpu,mooncake-gpu,lmcache,tracing,bench,planner,test"
 else
-  EXTRAS="cpu,mooncake,lmcache,tracing,bench,test"
+  EXTRAS="cpu,mooncake,lmcache,tracing,bench,planner,test"
   # The CPU torch first, or pip resolves a multi-GB CUDA build (docs/configuration.md).
   .venv/bin/python -c "import torch" 2>/dev/null || $PIP install 'torch==2.13.0'
 fi

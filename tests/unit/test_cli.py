@@ -143,3 +143,77 @@ def _no_debug_env():
     import os
 
     return {k: v for k, v in os.environ.items() if k != "KVDISAGG_DEBUG"}
+
+
+# The packages of the extras (kvdisagg.cli.EXTRAS) made unimportable, as on a host installed
+# without them (the proxy's image): a meta path finder that refuses them.
+BLOCKER = """
+import sys
+
+class Blocked:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {names!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+
+sys.meta_path.insert(0, Blocked())
+"""
+
+
+def without_extras(code: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    from kvdisagg.cli import EXTRAS
+
+    return subprocess.run([sys.executable, "-c", BLOCKER.format(names=set(EXTRAS)) + code,
+                           *argv], capture_output=True, text=True, timeout=120)
+
+
+def test_the_proxy_needs_no_extra():
+    """The proxy's application, `kvdisagg proxy --help` and `kvdisagg admin` without numpy,
+    rich or matplotlib: the base install (the proxy's image) carries none of them."""
+    code = ("import kvdisagg.proxy.app, kvdisagg.proxy.cli, kvdisagg.proxy.admin_cli\n"
+            "from kvdisagg.cli import main\n"
+            "for argv in (['proxy', '--help'], ['admin', 'list', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit as e:\n"
+            "        assert e.code == 0, (argv, e.code)\n"
+            "print('loaded:', sorted(m for m in sys.modules if m.partition('.')[0] in "
+            "('numpy', 'rich', 'matplotlib')))\n")
+    res = without_extras(code)
+    assert res.returncode == 0, res.stderr
+    assert "--prefill-dns NAME:PORT" in res.stdout and "--each-address" in res.stdout
+    assert res.stdout.rstrip().endswith("loaded: []")
+
+
+def test_the_blocker_blocks():
+    res = without_extras("import numpy\n")
+    assert res.returncode == 1 and "No module named 'numpy'" in res.stderr
+
+
+def test_a_command_needing_an_extra_names_it():
+    """`kvdisagg simulate` without numpy: one line naming the extra, exit 1, no traceback."""
+    code = "from kvdisagg.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    res = without_extras(code, "simulate", "--profile", "vllm-a100", "--ttft-slo", "1",
+                         "--tpot-slo", "0.1")
+    assert res.returncode == 1
+    assert res.stderr.splitlines() == [
+        "kvdisagg simulate: numpy is not installed: pip install 'kvdisagg[planner]'"]
+
+
+def test_doctor_prints_plain_lines_without_rich(capsys, monkeypatch):
+    """doctor is in the base install (vLLM hosts): without rich its table is plain lines."""
+    import builtins
+
+    from kvdisagg import doctor
+
+    real = builtins.__import__
+
+    def no_rich(name, *args, **kw):
+        if name.partition(".")[0] == "rich":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real(name, *args, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_rich)
+    doctor._print_table([doctor.Finding(check="plugin", status="ok", message="loaded"),
+                         doctor.Finding(check="fleet", status="fail", message="down",
+                                        fix="start it")])
+    assert capsys.readouterr().out.splitlines() == [
+        "ok   plugin: loaded", "fail fleet: down (fix: start it)"]

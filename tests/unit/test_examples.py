@@ -1330,6 +1330,9 @@ def test_proxy_image_pins_every_dependency():
         name = req.name.lower().replace("_", "-")
         assert name in pins, f"proxy-constraints.txt does not pin {req.name}"
         assert req.specifier.contains(pins[name]), f"{req.name}=={pins[name]} is not {req}"
+    # the proxy's image stays lean: the extras' heavy packages are not in it (kvdisagg.cli.EXTRAS)
+    heavy = {"numpy", "rich", "matplotlib"} & set(pins)
+    assert not heavy, f"proxy-constraints.txt pins {sorted(heavy)}: the proxy does not need them"
 
 
 def test_dockerfile_checks_can_fail():

@@ -26,11 +26,9 @@ LABEL org.opencontainers.image.title="kvdisagg-proxy" \
       org.opencontainers.image.description="kvdisagg proxy: OpenAI-compatible P/D front door"
 COPY --from=build /opt/kvdisagg /opt/kvdisagg
 RUN useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin kvdisagg
-# MPLCONFIGDIR: matplotlib (a kvdisagg dependency for bench plots) wants a writable cache.
 ENV PATH=/opt/kvdisagg/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1 \
-    MPLCONFIGDIR=/tmp/matplotlib
+    PYTHONUNBUFFERED=1
 # Numeric, so that runAsNonRoot can verify it.
 USER 10001:10001
 EXPOSE 8000 8001

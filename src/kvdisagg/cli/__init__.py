@@ -15,7 +15,8 @@ sit with the table that names them. Run it as ``kvdisagg`` or ``python -m kvdisa
 
 Every failure ends as one line on stderr, ``kvdisagg CMD: what went wrong``, and a non-zero exit
 (``EXIT``), never a traceback: a ``KvDisaggError`` (its message names the fix), an ``OSError``
-(a file, a socket), Ctrl-C, or a command's own ``SystemExit("kvdisagg CMD: ...")``. Anything
+(a file, a socket), a package of an extra that is not installed (``EXTRAS``: the line names the
+extra), Ctrl-C, or a command's own ``SystemExit("kvdisagg CMD: ...")``. Anything
 else is a bug: one line saying so, and the traceback with ``kvdisagg --debug CMD`` (or
 ``KVDISAGG_DEBUG=1``), which also shows the traceback of an expected error.
 """
@@ -44,6 +45,12 @@ class Exit(enum.IntEnum):
 class Command(NamedTuple):
     module: str
     help: str
+
+
+EXTRAS = {"numpy": "planner", "rich": "bench", "matplotlib": "bench"}
+"""Packages some commands import that the base install leaves out (the proxy's host does not
+need them), and the extra of pyproject.toml that installs each: ``plan``, ``simulate`` and
+``profile``'s fit need numpy, ``bench`` and ``profile`` rich, ``bench``'s plots matplotlib."""
 
 
 COMMANDS: dict[str, Command] = {
@@ -116,7 +123,12 @@ def _failed(command: str, exc: Exception) -> int:
         # Nothing left to say there: point stdout at /dev/null so the flush at exit is quiet.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return Exit.FAILED
-    if isinstance(exc, KvDisaggError | OSError):
+    name = exc.name if isinstance(exc, ModuleNotFoundError) else None
+    missing = (name or "").partition(".")[0]
+    if missing in EXTRAS:
+        message = f"{missing} is not installed: pip install 'kvdisagg[{EXTRAS[missing]}]'"
+        status = Exit.FAILED
+    elif isinstance(exc, KvDisaggError | OSError):
         message = str(exc) or type(exc).__name__
         status = Exit.USAGE if isinstance(exc, ConfigError) else Exit.FAILED
     else:

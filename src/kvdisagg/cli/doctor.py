@@ -457,9 +457,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _print_table(findings: list[Finding]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # rich comes with kvdisagg[bench]; a vLLM host may lack it: plain lines
+        for f in findings:
+            print(f"{f.status:<4} {f.check}: {f.message}" + (f" (fix: {f.fix})" if f.fix else ""))
+        return
     colour = {"ok": "green", "warn": "yellow", "fail": "bold red"}
     table = Table(title="kvdisagg doctor")
     for column in ("check", "status", "message", "fix"):
