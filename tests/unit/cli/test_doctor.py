@@ -236,3 +236,22 @@ def test_table_output_and_exit_code(capsys):
     assert main(["doctor", "--transport", "nosuch.module:Transport"]) == 1
     out = capsys.readouterr().out
     assert "kvdisagg doctor" in out and "fail" in out
+
+
+def test_doctor_prints_plain_lines_without_rich(capsys, monkeypatch):
+    """doctor is in the base install (vLLM hosts): without rich its table is plain lines."""
+    import builtins
+
+    real = builtins.__import__
+
+    def no_rich(name, *args, **kw):
+        if name.partition(".")[0] == "rich":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real(name, *args, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_rich)
+    doctor._print_table([doctor.Finding(check="plugin", status="ok", message="loaded"),
+                         doctor.Finding(check="fleet", status="fail", message="down",
+                                        fix="start it")])
+    assert capsys.readouterr().out.splitlines() == [
+        "ok   plugin: loaded", "fail fleet: down (fix: start it)"]
