@@ -17,7 +17,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 
 # name -> the modules that may define it
 ALLOWED: dict[str, set[str]] = {
-    # The command interface: kvdisagg/cli.py imports each command's module and calls these two
+    # The command interface: kvdisagg.cli imports each command's module and calls these two
     # by name (``add_arguments(parser)``, ``run(args)``).
     "add_arguments": {c.module for c in COMMANDS.values()},
     "run": {c.module for c in COMMANDS.values()},
