@@ -12,6 +12,7 @@
     └── ProxyError
         ├── BodyError           a client request body the proxy cannot read (400)
         ├── DiscoveryError      a discovery source could not be read (its last answer stands)
+        ├── Refusal             a request the proxy ends with an HTTP error (proxy/responses.py)
         └── UpstreamError       an upstream leg failed (``sent``: it may have reached vLLM)
             ├── ConnectError    no connection: vLLM never saw the request
             ├── UpstreamTimeout a bound ran out

@@ -1,9 +1,10 @@
 """The package's import graph: no circle anywhere in src/, and the one-way rules of STYLE.md.
 
-Imports are read from the source (``ast``), module-level and inside functions alike (a
-function-level import hides a circle, it does not remove it), but not under ``TYPE_CHECKING``
-(annotations only). ``from pkg import sub`` where ``sub`` is a module counts as an import of
-``pkg.sub``; a package's own ``__init__`` is not an edge of its submodules.
+Imports are read from the source (``ast``), module-level, inside functions and under
+``TYPE_CHECKING`` alike: a function-level or annotation-only import hides a circle, it does not
+remove it (the modules still know each other). ``from pkg import sub`` where ``sub`` is a module
+counts as an import of ``pkg.sub``; a package's own ``__init__`` is not an edge of its
+submodules. (What a module loads at run time, for the vLLM rule below, leaves annotations out.)
 """
 
 from __future__ import annotations
@@ -34,22 +35,26 @@ def _type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """The kvdisagg modules ``name`` imports, at run time."""
+def imports_of(name: str, path: Path, known: dict[str, Path],
+               type_checking: bool = True) -> set[str]:
+    """The kvdisagg modules ``name`` imports: at run time, and for annotations too unless
+    ``type_checking`` is False."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    return {m for m in imported_names(path, package, known) if m in known and m != name}
+    return {m for m in imported_names(path, package, known, type_checking)
+            if m in known and m != name}
 
 
 def imported_names(path: Path, package: str = "", known: Mapping[str, Path] | None = None,
-                   ) -> set[str]:
-    """The modules ``path`` imports at run time, kvdisagg's and others' (``package``: its own,
-    for relative imports; ``known``: kvdisagg's modules, to tell ``from pkg import sub``)."""
+                   type_checking: bool = False) -> set[str]:
+    """The modules ``path`` imports at run time (and under ``TYPE_CHECKING`` with
+    ``type_checking``), kvdisagg's and others' (``package``: its own, for relative imports;
+    ``known``: kvdisagg's modules, to tell ``from pkg import sub``)."""
     known = known or {}
     found: set[str] = set()
 
     class Visitor(ast.NodeVisitor):
         def visit_If(self, node: ast.If) -> None:
-            if _type_checking(node.test):
+            if not type_checking and _type_checking(node.test):
                 for child in node.orelse:
                     self.visit(child)
                 return
@@ -116,6 +121,15 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_circle_in_src() -> None:
     assert cycles(graph()) == []
+
+
+def test_annotation_only_imports_count(tmp_path: Path) -> None:
+    mod = tmp_path / "m.py"
+    mod.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                   "    from kvdisagg.b import B\n")
+    known = {"kvdisagg.a": mod, "kvdisagg.b": mod}
+    assert imports_of("kvdisagg.a", mod, known) == {"kvdisagg.b"}
+    assert imports_of("kvdisagg.a", mod, known, type_checking=False) == set()
 
 
 def test_the_circle_check_can_fail() -> None:

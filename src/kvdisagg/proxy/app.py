@@ -133,7 +133,8 @@ def make_app(*, config: ProxyConfig | None = None,
     app.router.add_get("/health", health)
     app.router.add_get("/readiness", readiness)
     app.router.add_get("/metrics", metrics_)
-    passthrough.add_routes(app, serving)
+    for method, path in passthrough.ROUTES:
+        app.router.add_route(method, path, serving.forward)
     return app
 
 

@@ -74,12 +74,6 @@ class ClientBody(NamedTuple):
         return None
 
     @property
-    def local_reason(self) -> str | None:
-        """Why only decode alone serves this form exactly (contract.py: the handoff
-        declines it), or None."""
-        return self.paths.handoff
-
-    @property
     def n(self) -> int:
         return _sample_count(self.fields)
 

@@ -23,7 +23,7 @@ Otherwise, and for a migrated stream's continuation, the ordinary path.
 
 **Failure.** If the prefill leg fails first, the decode leg is cancelled (vLLM aborts it) and
 the request is served the ordinary way, that leg counted as its first prefill try (another
-prefill, or decode alone, as ``prefill.py`` decides); a client error (4xx) goes back as it
+prefill, or decode alone, as the decider says); a client error (4xx) goes back as it
 came. If the decode leg fails, the prefill leg is cancelled and the request served the
 ordinary way. Both count as ``fell_back`` in ``kvdisagg_proxy_early_handoffs_total``. A
 handoff offered but never read is freed when its lease runs out.
@@ -35,25 +35,30 @@ import asyncio
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 import msgspec
-from aiohttp import web
 
 from kvdisagg.connector.protocol.params import RemotePrefill
 from kvdisagg.connector.protocol.versions import EARLY_HANDOFF_VERSION
-from kvdisagg.proxy.decide import Decision
-from kvdisagg.proxy.decode import Opened, attempt
+from kvdisagg.proxy.decide import RoutePlan
+from kvdisagg.proxy.decode import DecodeStage, Opened
+from kvdisagg.proxy.exchange import Exchange
 from kvdisagg.proxy.legs import LegFailure
-from kvdisagg.proxy.policies import Selection, Verdict
-from kvdisagg.proxy.prefill import Prefilled, PrefillFailed, prefill_leg
+from kvdisagg.proxy.policies import Verdict
+from kvdisagg.proxy.prefill import Handoff, PrefillFailed, PrefillStage
 from kvdisagg.proxy.registry import Instance
 from kvdisagg.proxy.types import Side
 
-if TYPE_CHECKING:
-    from kvdisagg.proxy.serving import RequestCtx, Serving
-
 log = logging.getLogger("kvdisagg.proxy")
+
+
+class Early(NamedTuple):
+    """What early dispatch came to: a decode leg that answered (``opened``), else the
+    ordinary path, counting ``failed`` (a prefill leg that failed) as its first try."""
+
+    opened: Opened | None = None
+    failed: PrefillFailed | None = None
 
 
 def early_params(template: bytes, handoff_id: str, token: str) -> bytes | None:
@@ -74,55 +79,62 @@ def early_params(template: bytes, handoff_id: str, token: str) -> bytes | None:
     return msgspec.json.encode(params)
 
 
-def may_open_early(s: Serving, ctx: RequestCtx) -> bool:
-    """Whether a disaggregated request may go out early (before choosing anything)."""
-    return (s.cfg.decision.enabled and s.cfg.decision.early_decode
-            and ctx.body.forwarded_ids is None)
+class EarlyDispatch:
+    """An exchange's decode leg sent together with its prefill leg (``RoutePlan.early``)."""
 
+    __slots__ = ("x",)
 
-async def open_early(s: Serving, ctx: RequestCtx, decision: Decision, sel: Selection
-                     ) -> Opened | web.Response | PrefillFailed | None:
-    """A decode leg that answered, sent with its prefill leg to ``sel``'s prefill; the
-    client's error; the prefill leg that failed; or None: serve the request the ordinary way
-    (not eligible, or the decode leg failed)."""
-    decode, inst = decision.decode.instance, sel.instance
-    if not isinstance(decode, Instance) or decode not in s.registry.candidates(Side.DECODE):
-        return None
-    if (not isinstance(inst, Instance) or sel.verdict is not Verdict.OK
-            or inst.handoff_params is None or inst.in_flight(Side.PREFILL)
-            or inst.vllm_waiting >= 1 or not _speak_early(inst, decode)):
-        return None
-    named = {"handoff_id": secrets.token_urlsafe(16), "token": secrets.token_urlsafe(16)}
-    kv = early_params(inst.handoff_params, **named)
-    if kv is None:
-        return None
-    deadline = time.perf_counter() + s.cfg.timeouts.decode_total_s
-    prefilled = asyncio.ensure_future(prefill_leg(s, ctx, inst, named))
-    opening = asyncio.ensure_future(attempt(s, ctx, decode, Prefilled(kv), deadline))
-    try:
-        await asyncio.wait((prefilled, opening), return_when=asyncio.FIRST_COMPLETED)
-        if not opening.done() and (failed := _failure(prefilled)) is not None:
+    def __init__(self, x: Exchange) -> None:
+        self.x = x
+
+    async def open(self, plan: RoutePlan) -> Early:
+        """A decode leg that answered, sent with its prefill leg to the plan's prefill; or
+        the ordinary path (not eligible, or a leg failed). A client error (4xx) from the
+        prefill leg raises ``Refusal``."""
+        x = self.x
+        decode = plan.decode.instance
+        sel = plan.prefill
+        if decode is None or sel is None or decode not in x.registry.candidates(Side.DECODE):
+            return Early()
+        inst = sel.instance
+        if (inst is None or sel.verdict is not Verdict.OK or inst.handoff_params is None
+                or inst.in_flight(Side.PREFILL) or inst.vllm_waiting >= 1
+                or not _speak_early(inst, decode)):
+            return Early()
+        named = {"handoff_id": secrets.token_urlsafe(16), "token": secrets.token_urlsafe(16)}
+        kv = early_params(inst.handoff_params, **named)
+        if kv is None:
+            return Early()
+        deadline = time.perf_counter() + x.cfg.timeouts.decode_total_s
+        prefilled = asyncio.ensure_future(PrefillStage(x).leg(inst, named))
+        opening = asyncio.ensure_future(DecodeStage(x).attempt(decode, Handoff(kv), deadline))
+        try:
+            await asyncio.wait((prefilled, opening), return_when=asyncio.FIRST_COMPLETED)
+            failed = None if opening.done() else _failure(prefilled)
+            if failed is not None:
+                await _cancel(opening)
+            else:
+                opened = await opening
+        except BaseException:
             await _cancel(opening)
-            s.metrics.early_handoff("fell_back")
+            await _cancel(prefilled)
+            raise
+        if failed is not None:
+            x.metrics.early_handoff("fell_back")
             log.warning("request %s: early handoff: prefill failed (%s); serving it the "
-                        "ordinary way", ctx.rid, failed.message)
+                        "ordinary way", x.rid, failed.message)
             return _retry_from(inst, failed)
-        opened = await opening
-    except BaseException:
-        await _cancel(opening)
+        if isinstance(opened, Opened):
+            x.metrics.early_handoff("opened")
+            x.keep(prefilled)  # it ends on its own; its leg does its own bookkeeping
+            return Early(opened)
         await _cancel(prefilled)
-        raise
-    if isinstance(opened, Opened):
-        s.metrics.early_handoff("opened")
-        s.keep(prefilled)  # it ends on its own; its leg does its own bookkeeping
-        return opened
-    await _cancel(prefilled)
-    s.metrics.early_handoff("fell_back")
-    failed = _failure(prefilled)  # both legs may have ended in the same turn of the loop
-    log.warning("request %s: early handoff: decode failed (%s)%s; serving it the ordinary way",
-                ctx.rid, opened.failure.message,
-                "" if failed is None else f", prefill too ({failed.message})")
-    return None if failed is None else _retry_from(inst, failed)
+        x.metrics.early_handoff("fell_back")
+        failed = _failure(prefilled)  # both legs may have ended in the same turn of the loop
+        log.warning("request %s: early handoff: decode failed (%s)%s; serving it the ordinary "
+                    "way", x.rid, opened.failure.message,
+                    "" if failed is None else f", prefill too ({failed.message})")
+        return Early() if failed is None else _retry_from(inst, failed)
 
 
 def _speak_early(prefill: Instance, decode: Instance) -> bool:
@@ -133,7 +145,7 @@ def _speak_early(prefill: Instance, decode: Instance) -> bool:
     return version is not None and version >= EARLY_HANDOFF_VERSION
 
 
-def _failure(prefilled: asyncio.Future[Prefilled | LegFailure]) -> LegFailure | None:
+def _failure(prefilled: asyncio.Future[Handoff | LegFailure]) -> LegFailure | None:
     """The prefill leg's failure, if it ended with one."""
     if not prefilled.done() or prefilled.cancelled() or prefilled.exception() is not None:
         return None
@@ -141,9 +153,11 @@ def _failure(prefilled: asyncio.Future[Prefilled | LegFailure]) -> LegFailure | 
     return res if isinstance(res, LegFailure) else None
 
 
-def _retry_from(inst: Instance, failed: LegFailure) -> web.Response | PrefillFailed:
-    """The client's error as it came, or the failed leg the ordinary path counts as tried."""
-    return failed.client_error if failed.client_error is not None else PrefillFailed(inst, failed)
+def _retry_from(inst: Instance, failed: LegFailure) -> Early:
+    """The failed leg the ordinary path counts as tried; a client error raised as it came."""
+    if failed.client_error is not None:
+        raise failed.client_error
+    return Early(failed=PrefillFailed(inst, failed))
 
 
 async def _cancel(task: asyncio.Future[Any]) -> None:

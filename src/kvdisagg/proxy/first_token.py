@@ -11,13 +11,14 @@ token's own KV where it would have recomputed the last prompt token: the same wo
 same answer. TTFT is then prefill's; the handoff moves into the gap before the second token.
 
 Which requests may take it is the contract's to say (contract.py: decided from the request
-alone, before any token exists). Once taken, prefill's token is the answer's first token
-whatever its value: sampled from the same distribution as the plain instance's (prefill gets
-the request's sampling fields, ``min_tokens`` as 1), it is never sampled again. An end of
-sequence or a stop token ends the stream there, as the plain instance's; a token without text
-(a special token, bytes of a character the next token ends) is sent as vLLM sends it, with
-empty text, and decode's detokenizer, primed with the prompt and that token, gives the next
-token's text as the plain instance's gives it. Prefill's answer is not an ordinary first token
+alone, before any token exists; the decision's plan carries it, ``RoutePlan.first_token``).
+Once taken, prefill's token is the answer's first token whatever its value: sampled from the
+same distribution as the plain instance's (prefill gets the request's sampling fields,
+``min_tokens`` as 1), it is never sampled again. An end of sequence or a stop token ends the
+stream there, as the plain instance's; a token without text (a special token, bytes of a
+character the next token ends) is sent as vLLM sends it, with empty text, and decode's
+detokenizer, primed with the prompt and that token, gives the next token's text as the plain
+instance's gives it. Prefill's answer is not an ordinary first token
 only when something failed or a server-side parser rewrote it (a reasoning or tool parser,
 which the request does not show): then the request is served the ordinary way, counted
 (``ordinary``).
@@ -25,24 +26,16 @@ which the request does not show): then the request is served the ordinary way, c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import msgspec
 
 from kvdisagg.proxy import body as bodies
+from kvdisagg.proxy.exchange import Exchange
 from kvdisagg.proxy.migrate import Tap, continuation, include_usage, wants_token_ids
-from kvdisagg.proxy.policies import InstanceView, Selection
-from kvdisagg.proxy.prefill import Prefilled
+from kvdisagg.proxy.policies import Selection
+from kvdisagg.proxy.prefill import Handoff
 from kvdisagg.proxy.registry import Instance
-
-if TYPE_CHECKING:
-    from kvdisagg.proxy.serving import RequestCtx, Serving
-
-def wanted(s: Serving, body: bodies.ClientBody) -> bool:
-    """Whether ``body``'s first token may come from prefill (before its prefill leg): the
-    contract allows it (contract.py) and the stream is the client's own request."""
-    return (s.cfg.decision.first_token_from_prefill and body.paths.first_token is None
-            and not body.one_of_many and body.forwarded_ids is None)
 
 
 class _Message(msgspec.Struct):
@@ -134,43 +127,52 @@ class Led(NamedTuple):
     events: bytes  # as the client gets them
     tap: Tap  # what they delivered (the continuation's Tap resumes it)
     body: bodies.ClientBody | None  # the continuation
-    pre: Prefilled  # prefill's handoff
-    decode: Selection  # the decision's decode
+    pre: Handoff  # prefill's handoff
+    decode: Selection[Instance]  # the decision's decode
     avoid: tuple[Instance, ...]
 
 
-def _fits(body: bodies.ClientBody, prompt_tokens: int, decode: InstanceView | None
-          ) -> bool:
+def _fits(body: bodies.ClientBody, prompt_tokens: int, decode: Instance | None) -> bool:
     """Whether decode accepts the continuation exactly when a plain instance accepts the
     request: both check prompt + the limit against ``max_model_len``, which the client must
     see as a 400 before any token, not as an error event after the first."""
     limit = body.paths.limit
-    max_len = decode.max_model_len if isinstance(decode, Instance) else None
+    max_len = decode.max_model_len if decode is not None else None
     return max_len is not None and prompt_tokens + max(limit or 2, 2) <= max_len
 
 
-def lead(s: Serving, ctx: RequestCtx, pre: Prefilled, decode: Selection,
-         avoid: tuple[Instance, ...]) -> Led | None:
-    """The stream's start from prefill's answer, or None: serve it the ordinary way."""
-    made = (first_events(ctx.body.chat, pre.answer, include_usage(ctx.body.fields))
-            if pre.answer else None)
-    if made is None:
-        s.metrics.first_token("ordinary")
-        return None
-    events, ended = made
-    tap = Tap(ctx.body.chat, strip=not wants_token_ids(ctx.body.fields))
-    out = tap.feed(events)
-    # The plain instance refuses a prompt + limit over max_model_len before any token: so
-    # must the answer, even one that prefill's token ended (decode then gives that 400).
-    if not _fits(ctx.body, len(tap.prompt_ids or ()), decode.instance):
-        s.metrics.first_token("ordinary")
-        return None
-    if ended:
-        s.metrics.first_token("sent")
-        return Led(out, tap, None, pre._replace(answer=b""), decode, avoid)
-    nxt = continuation(ctx.body, tap, s.cfg.policy.prefix_block_chars)
-    if nxt is None:
-        s.metrics.first_token("ordinary")
-        return None
-    s.metrics.first_token("sent")
-    return Led(out, tap, nxt, pre._replace(answer=b""), decode, avoid)
+class FirstToken:
+    """An exchange's stream started from prefill's answer (``RoutePlan.first_token``)."""
+
+    __slots__ = ("x",)
+
+    def __init__(self, x: Exchange) -> None:
+        self.x = x
+
+    def lead(self, pre: Handoff, decode: Selection[Instance],
+             avoid: tuple[Instance, ...]) -> Led | None:
+        """The stream's start from prefill's answer, or None: serve it the ordinary way."""
+        x = self.x
+        body = x.body
+        made = (first_events(body.chat, pre.answer, include_usage(body.fields))
+                if pre.answer else None)
+        if made is None:
+            x.metrics.first_token("ordinary")
+            return None
+        events, ended = made
+        tap = Tap(body.chat, strip=not wants_token_ids(body.fields))
+        out = tap.feed(events)
+        # The plain instance refuses a prompt + limit over max_model_len before any token: so
+        # must the answer, even one that prefill's token ended (decode then gives that 400).
+        if not _fits(body, len(tap.prompt_ids or ()), decode.instance):
+            x.metrics.first_token("ordinary")
+            return None
+        if ended:
+            x.metrics.first_token("sent")
+            return Led(out, tap, None, pre._replace(answer=b""), decode, avoid)
+        nxt = continuation(body, tap, x.cfg.policy.prefix_block_chars)
+        if nxt is None:
+            x.metrics.first_token("ordinary")
+            return None
+        x.metrics.first_token("sent")
+        return Led(out, tap, nxt, pre._replace(answer=b""), decode, avoid)

@@ -11,11 +11,10 @@ from __future__ import annotations
 import enum
 from typing import Any, NamedTuple
 
-from aiohttp import web
-
 from kvdisagg.errors import Abandoned, ConnectError, UpstreamError, UpstreamTimeout
 from kvdisagg.proxy.metrics import Metrics
 from kvdisagg.proxy.registry import Instance, Outcome
+from kvdisagg.proxy.responses import Refusal
 from kvdisagg.proxy.types import Side
 from kvdisagg.tracing import end
 
@@ -41,7 +40,7 @@ class LegFailure(NamedTuple):
     kind: FailKind
     message: str
     status: int  # what the client gets if this is the last word
-    client_error: web.Response | None = None
+    client_error: Refusal | None = None
     sent: bool = True  # the upstream may have seen the request
 
     @classmethod

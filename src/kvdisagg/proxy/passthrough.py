@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from kvdisagg.errors import UpstreamError
+from kvdisagg.proxy.config import ProxyConfig
+from kvdisagg.proxy.exchange import RequestIds
 from kvdisagg.proxy.legs import LegFailure, LegScope, kind_of, outcome_of
-from kvdisagg.proxy.policies import RouteRequest
-from kvdisagg.proxy.registry import Instance, Outcome
-from kvdisagg.proxy.responses import error_event, error_response
+from kvdisagg.proxy.metrics import Metrics
+from kvdisagg.proxy.policies import Policy, RouteRequest
+from kvdisagg.proxy.registry import Outcome, Registry
+from kvdisagg.proxy.responses import Refusal, error_event
 from kvdisagg.proxy.types import Side
-
-if TYPE_CHECKING:
-    from kvdisagg.proxy.serving import Serving
 
 ROUTES: tuple[tuple[str, str], ...] = (
     ("GET", "/v1/models"),
@@ -45,50 +44,55 @@ _ANY = RouteRequest(b"", 1, 1)
 _now = time.perf_counter
 
 
-def add_routes(app: web.Application, serving: Serving) -> None:
-    async def handler(request: web.Request) -> web.StreamResponse:
-        return await forward(serving, request)
+class Passthrough:
+    """Forwards the ``ROUTES`` to a decode instance (its decode policy's pick)."""
 
-    for method, path in ROUTES:
-        app.router.add_route(method, path, handler)
+    def __init__(self, cfg: ProxyConfig, registry: Registry, metrics: Metrics,
+                 decode_policy: Policy, ids: RequestIds) -> None:
+        self.cfg, self.registry, self.metrics = cfg, registry, metrics
+        self.decode_policy, self.ids = decode_policy, ids
 
-
-async def forward(s: Serving, request: web.Request) -> web.StreamResponse:
-    cands = s.registry.candidates(Side.DECODE) or s.registry.members(Side.DECODE)
-    inst = s.decider.decode_policy.select(_ANY, cands, Side.DECODE).instance if cands else None
-    if not isinstance(inst, Instance):
-        return s.reject(503, "no_healthy_decode", "no decode instance")
-    t = s.cfg.timeouts
-    body = await request.read() if request.can_read_body else b""
-    rid = s.request_id(request)
-    leg = LegScope(inst, Side.DECODE, 1, s.metrics)
-    start = _now()
-    out: web.StreamResponse | None = None
-    try:
-        resp = await inst.pool.request(request.method.encode(), request.path_qs, body,
-                                       s.headers_for(request, rid),
-                                       connect_s=t.decode_connect_s, headers_s=t.decode_total_s)
-        ctype = (resp.header(b"content-type") or b"application/json").decode("latin-1")
-        headers = {"Content-Type": ctype, "X-Request-Id": rid}
-        if not ctype.startswith("text/event-stream"):
-            data = await resp.read(max(0.001, t.decode_total_s - (_now() - start)))
-            leg.close(Outcome.OK if resp.status < 500 else Outcome.BROKEN)
-            return web.Response(body=data, status=resp.status, headers=headers)
-        out = web.StreamResponse(status=resp.status, headers=headers)
-        await out.prepare(request)
-        async for chunk in resp.iter_chunks(t.decode_idle_s,
-                                            max(0.001, t.decode_total_s - (_now() - start))):
-            await out.write(chunk)
-    except UpstreamError as exc:
-        leg.fail(kind_of(exc), outcome_of(exc))
-        failure = LegFailure.of(exc, f"decode {inst.url}: {exc}")
-        if out is None:
-            return error_response(failure.status, failure.message, "upstream_error")
-        await out.write(error_event(failure.status, failure.message))
-    except (asyncio.CancelledError, ConnectionResetError):
-        leg.close(Outcome.CANCELLED, "cancelled")
-        raise
-    else:
-        leg.close(Outcome.OK)
-    await out.write_eof()
-    return out
+    async def forward(self, request: web.Request) -> web.StreamResponse:
+        """``request`` as decode answers it. No decode, or one that fails before answering:
+        raises ``Refusal``."""
+        reg = self.registry
+        cands = reg.candidates(Side.DECODE) or reg.members(Side.DECODE)
+        inst = self.decode_policy.select(_ANY, cands, Side.DECODE).instance if cands else None
+        if inst is None:
+            self.metrics.rejected("no_healthy_decode")
+            raise Refusal.retry_later(503, "no decode instance")
+        t = self.cfg.timeouts
+        body = await request.read() if request.can_read_body else b""
+        rid = self.ids.request_id(request)
+        leg = LegScope(inst, Side.DECODE, 1, self.metrics)
+        start = _now()
+        out: web.StreamResponse | None = None
+        try:
+            resp = await inst.pool.request(request.method.encode(), request.path_qs, body,
+                                           self.ids.headers_for(request, rid),
+                                           connect_s=t.decode_connect_s,
+                                           headers_s=t.decode_total_s)
+            ctype = (resp.header(b"content-type") or b"application/json").decode("latin-1")
+            out_headers = {"Content-Type": ctype, "X-Request-Id": rid}
+            if not ctype.startswith("text/event-stream"):
+                data = await resp.read(max(0.001, t.decode_total_s - (_now() - start)))
+                leg.close(Outcome.OK if resp.status < 500 else Outcome.BROKEN)
+                return web.Response(body=data, status=resp.status, headers=out_headers)
+            out = web.StreamResponse(status=resp.status, headers=out_headers)
+            await out.prepare(request)
+            async for chunk in resp.iter_chunks(t.decode_idle_s,
+                                                max(0.001, t.decode_total_s - (_now() - start))):
+                await out.write(chunk)
+        except UpstreamError as exc:
+            leg.fail(kind_of(exc), outcome_of(exc))
+            failure = LegFailure.of(exc, f"decode {inst.url}: {exc}")
+            if out is None:
+                raise Refusal.error(failure.status, failure.message, "upstream_error") from None
+            await out.write(error_event(failure.status, failure.message))
+        except (asyncio.CancelledError, ConnectionResetError):
+            leg.close(Outcome.CANCELLED, "cancelled")
+            raise
+        else:
+            leg.close(Outcome.OK)
+        await out.write_eof()
+        return out

@@ -1,10 +1,16 @@
 """Routing policies: given the request and the healthy candidates of one side, pick one.
 
 A policy only selects. It does no I/O and never blocks; what it reads (in-flight counts, vLLM
-queue gauges scraped by the registry, live latency estimates) is kept current by
-``registry.py`` and the stages of ``serving.py``. Prefill and decode each get their own
-policy instance, so ``--prefill-policy prefix_aware --decode-policy least_loaded`` works. A new
-policy is a small class with ``name`` and ``select``, added to ``POLICIES``.
+queue gauges scraped by the registry, live latency estimates, the prompt tokens each instance
+caches) is kept current by the registry, the cache index and the handoff's stages. Prefill and
+decode each get their own policy instance, so ``--prefill-policy prefix_aware --decode-policy
+least_loaded`` works. A new policy is a small class with ``name`` and ``select``, added to
+``POLICIES``. ``CacheAware`` composes with any of them: the proxy wraps the configured policy
+of each side in it (``make_policy``), so what the caches hold is weighed in one place.
+
+Policies are generic over the instance type (``InstanceView`` is all they read): the registry's
+``Instance`` comes back as an ``Instance`` (``Selection[Instance]``), a test's fake as the fake.
+Imports nothing of the proxy but its config and vocabulary.
 
 Each policy's doc says: why choose it / what it does / inputs / configuration.
 """
@@ -13,15 +19,19 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import ClassVar, NamedTuple, Protocol
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import ClassVar, Generic, NamedTuple, Protocol, TypeVar
 
 from kvdisagg.proxy.config import PolicyConfig, SloConfig
 from kvdisagg.proxy.types import PolicyName, Side
 
 __all__ = ["RouteRequest", "InstanceView", "Verdict", "Selection", "Policy",
-           "RoundRobin", "LeastLoaded", "PrefixAware", "SloAware", "POLICIES", "make_policy"]
+           "RoundRobin", "LeastLoaded", "PrefixAware", "SloAware", "CacheAware", "POLICIES",
+           "make_policy", "load_score"]
+
+NO_HITS: Mapping[str, int] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +41,16 @@ class RouteRequest:
     prefix_key: bytes  # the first ``prefix_block_chars`` of the prompt text
     prompt_tokens: int  # an estimate (characters / 4, or the token ids' count)
     max_tokens: int
+    hits: Mapping[str, int] = field(default_factory=lambda: NO_HITS)
+    """Prompt tokens each instance caches (instance URL -> tokens, predicted from vLLM's KV
+    events; empty without a cache index): what ``CacheAware`` reads."""
+
+    def with_hits(self, hits: Mapping[str, int]) -> RouteRequest:
+        return replace(self, hits=hits) if hits else self
+
+    def with_length(self, prompt_tokens: int) -> RouteRequest:
+        """The same request, its prompt's length known exactly (its token ids counted)."""
+        return replace(self, prompt_tokens=prompt_tokens)
 
 
 class InstanceView(Protocol):
@@ -54,20 +74,27 @@ class Verdict(enum.Enum):
     SLO_MISS = "slo_miss"  # the best candidate is predicted to miss the SLO
 
 
-class Selection(NamedTuple):
-    instance: InstanceView | None
+Inst = TypeVar("Inst", bound=InstanceView)
+
+
+class Selection(NamedTuple, Generic[Inst]):
+    """The candidate picked (None: there was none), and whether it is predicted to serve."""
+
+    instance: Inst | None
     verdict: Verdict
     predicted_s: float | None = None  # slo_aware: predicted TTFT (prefill) or TPOT (decode)
 
 
-_NONE = Selection(None, Verdict.NO_CANDIDATE)
+def _none() -> Selection[Inst]:
+    return Selection(None, Verdict.NO_CANDIDATE)
 
 
 class Policy(Protocol):
-    name: ClassVar[PolicyName]
+    @property
+    def name(self) -> PolicyName: ...
 
-    def select(self, req: RouteRequest, candidates: Sequence[InstanceView],
-               side: Side) -> Selection: ...
+    def select(self, req: RouteRequest, candidates: Sequence[Inst],
+               side: Side) -> Selection[Inst]: ...
 
 
 class RoundRobin:
@@ -80,10 +107,10 @@ class RoundRobin:
     def __init__(self, cfg: PolicyConfig | None = None, slo: SloConfig | None = None) -> None:
         self._next = 0
 
-    def select(self, req: RouteRequest, candidates: Sequence[InstanceView],
-               side: Side) -> Selection:
+    def select(self, req: RouteRequest, candidates: Sequence[Inst],
+               side: Side) -> Selection[Inst]:
         if not candidates:
-            return _NONE
+            return _none()
         i = self._next % len(candidates)
         self._next = i + 1
         return Selection(candidates[i], Verdict.OK)
@@ -108,13 +135,14 @@ class LeastLoaded:
         self.token_weight = (cfg or PolicyConfig()).token_weight
         self._tie = 0
 
-    def select(self, req: RouteRequest, candidates: Sequence[InstanceView],
-               side: Side) -> Selection:
+    def select(self, req: RouteRequest, candidates: Sequence[Inst],
+               side: Side) -> Selection[Inst]:
         if not candidates:
-            return _NONE
+            return _none()
         n = len(candidates)
         self._tie += 1
-        best, best_score = None, float("inf")
+        best: Inst | None = None
+        best_score = float("inf")
         for k in range(n):  # start at a rotating offset so ties spread
             inst = candidates[(self._tie + k) % n]
             s = load_score(inst, side, self.token_weight)
@@ -144,10 +172,10 @@ class PrefixAware:
         self.slack = cfg.prefix_load_slack
         self._fallback = LeastLoaded(cfg)
 
-    def select(self, req: RouteRequest, candidates: Sequence[InstanceView],
-               side: Side) -> Selection:
+    def select(self, req: RouteRequest, candidates: Sequence[Inst],
+               side: Side) -> Selection[Inst]:
         if not candidates:
-            return _NONE
+            return _none()
         home = max(candidates, key=lambda c: _weight(req.prefix_key, c.url))
         least = min(c.in_flight(side) for c in candidates)
         if home.in_flight(side) <= least + self.slack:
@@ -187,10 +215,10 @@ class SloAware:
         load = inst.in_flight(Side.DECODE) + inst.vllm_waiting
         return inst.tpot_s * (1.0 + load) / (1.0 + inst.tpot_load)
 
-    def select(self, req: RouteRequest, candidates: Sequence[InstanceView],
-               side: Side) -> Selection:
+    def select(self, req: RouteRequest, candidates: Sequence[Inst],
+               side: Side) -> Selection[Inst]:
         if not candidates:
-            return _NONE
+            return _none()
         if side is Side.PREFILL:
             scored = [(self.predict_ttft(req, c), i, c) for i, c in enumerate(candidates)]
             target = self.slo.ttft_s
@@ -202,6 +230,44 @@ class SloAware:
         return Selection(best, verdict, pred)
 
 
+class CacheAware:
+    """**Why:** a prompt whose prefix an instance caches costs that instance only the rest; the
+    proxy knows what each cache holds from vLLM's KV events (``cache_index.py``).
+    **What:** wraps the side's configured policy: the candidate caching the longest prefix of
+    the prompt (``req.hits``), unless its load (``load_score``) exceeds the least loaded
+    candidate's by more than ``prefix_load_slack``; ties go to the less loaded. With no hit
+    within the slack, or no cache index, the wrapped policy picks.
+    **Inputs:** ``RouteRequest.hits`` (tokens cached per instance), in-flight legs and tokens,
+    vLLM's queue gauges. **Configuration:** ``policy.token_weight``,
+    ``policy.prefix_load_slack``; on whenever ``cache_index.enabled``."""
+
+    def __init__(self, inner: Policy, cfg: PolicyConfig | None = None) -> None:
+        cfg = cfg or PolicyConfig()
+        self.inner = inner
+        self.token_weight = cfg.token_weight
+        self.slack = cfg.prefix_load_slack
+
+    @property
+    def name(self) -> PolicyName:
+        return self.inner.name
+
+    def select(self, req: RouteRequest, candidates: Sequence[Inst],
+               side: Side) -> Selection[Inst]:
+        if not candidates:
+            return _none()
+        hits = req.hits
+        if hits:
+            w = self.token_weight
+            least = min(load_score(c, side, w) for c in candidates)
+            sticky = [c for c in candidates if hits.get(c.url, 0) > 0
+                      and load_score(c, side, w) <= least + self.slack]
+            if sticky:
+                return Selection(max(sticky, key=lambda c: (hits.get(c.url, 0),
+                                                            -load_score(c, side, w))),
+                                 Verdict.OK)
+        return self.inner.select(req, candidates, side)
+
+
 POLICIES: dict[PolicyName,
                type[RoundRobin] | type[LeastLoaded] | type[PrefixAware] | type[SloAware]] = {
     p.name: p for p in (RoundRobin, LeastLoaded, PrefixAware, SloAware)
@@ -209,10 +275,12 @@ POLICIES: dict[PolicyName,
 assert set(POLICIES) == set(PolicyName), "a policy name without its class, or the reverse"
 
 
-def make_policy(name: PolicyName | str, cfg: PolicyConfig, slo: SloConfig) -> Policy:
+def make_policy(name: PolicyName | str, cfg: PolicyConfig, slo: SloConfig) -> CacheAware:
+    """The policy called ``name``, cache-aware (``CacheAware``: it only differs where the
+    request says what the caches hold)."""
     try:
         cls = POLICIES[PolicyName(name)]
     except ValueError:
         raise ValueError(f"unknown policy {name!r}; choose one of "
                          f"{sorted(p.value for p in PolicyName)}") from None
-    return cls(cfg, slo)
+    return CacheAware(cls(cfg, slo), cfg)

@@ -13,7 +13,9 @@ Failure rules (each retry bounded by ``retry.prefill_attempts`` and logged):
 
 Only prefills that speak a side-channel protocol version the request's decode speaks are
 tried (``registry.pairable``); with none, decode computes the prompt itself
-(``no_compatible_prefill``), as with no healthy prefill.
+(``no_compatible_prefill``), as with no healthy prefill. Which prefill each try goes to, and
+when decode serves the request alone instead, the decider says (decide.py); this stage runs
+the legs.
 
 ``timeouts.prefill_s`` bounds a leg, queueing included: vLLM sends the headers only when the
 prefill is done, so no shorter bound would not be a guess.
@@ -24,13 +26,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, NamedTuple
-
-from aiohttp import web
+from typing import NamedTuple
 
 from kvdisagg.connector.protocol.versions import Versions
 from kvdisagg.errors import UpstreamError
 from kvdisagg.proxy import body as bodies
+from kvdisagg.proxy.decide import Reason
+from kvdisagg.proxy.exchange import Exchange
 from kvdisagg.proxy.legs import (
     RETRYABLE_STATUS,
     FailKind,
@@ -40,37 +42,40 @@ from kvdisagg.proxy.legs import (
     outcome_of,
     status_outcome,
 )
-from kvdisagg.proxy.policies import InstanceView, Selection, Verdict
-from kvdisagg.proxy.registry import Instance, Outcome, handoff_versions, pairable
-from kvdisagg.proxy.responses import error_body, error_response
+from kvdisagg.proxy.policies import Selection
+from kvdisagg.proxy.registry import Instance, Outcome, handoff_versions
+from kvdisagg.proxy.responses import Refusal
 from kvdisagg.proxy.types import Admission, Side
 from kvdisagg.tracing import traceparent_of
-
-if TYPE_CHECKING:
-    from kvdisagg.proxy.serving import RequestCtx, Serving
 
 log = logging.getLogger("kvdisagg.proxy")
 _now = time.perf_counter
 
 
-class Prefilled(NamedTuple):
+class Handoff(NamedTuple):
     """What the decode leg carries: prefill's raw ``kv_transfer_params``, or None when decode
-    computes the prompt itself (then ``local_reason`` says why)."""
+    computes the prompt itself (then ``alone`` says why)."""
 
     kv: bytes | None
-    local_reason: str = ""
+    alone: Reason | None = None
     local_tokens: int = 0
     """Prompt tokens decode computes itself (predicted)."""
     answer: bytes = b""
     """Prefill's whole answer, when its first token may go to the client (first_token.py)."""
     versions: Versions | None = None
     """The protocol versions the prefill of ``kv`` speaks (None: unknown); the decode that
-    takes the handoff must speak one of them (decode.py)."""
+    takes the handoff must speak one of them (decide.py)."""
+
+    @classmethod
+    def decode_alone(cls, reason: Reason, local_tokens: int = 0) -> Handoff:
+        return cls(None, reason, local_tokens)
 
     @property
     def header(self) -> str:
         """``X-Kvdisagg-Handoff``: ``pd`` or ``decode_only:<reason>``."""
-        return "pd" if self.kv is not None else f"decode_only:{self.local_reason}"
+        if self.kv is not None or self.alone is None:
+            return "pd"
+        return f"decode_only:{self.alone.value}"
 
 
 class PrefillFailed(NamedTuple):
@@ -81,130 +86,120 @@ class PrefillFailed(NamedTuple):
     failure: LegFailure
 
 
-def choose_prefill(s: Serving, ctx: RequestCtx, tried: tuple[Instance, ...] = (),
-                   decode: InstanceView | None = None) -> Selection:
-    """The prefill holding the longest cached prefix of the prompt (KV events), weighed with
-    load; without a prediction, the prefill policy's pick. ``decode``: the decode chosen for the
-    request: only prefills it can pull from (a protocol version in common)."""
-    cands = s.registry.candidates(Side.PREFILL, tried)
-    if isinstance(decode, Instance):
-        cands = [p for p in cands if pairable(p, decode)]
-    return s.decider.choose(Side.PREFILL, s.prefill_policy, ctx.body.route, cands, ctx.hits)
+class PrefillStage:
+    """The prefill legs of one exchange, with retries; ``run`` ends with a ``Handoff`` or
+    raises ``Refusal``."""
 
+    __slots__ = ("x",)
 
-async def prefill(s: Serving, ctx: RequestCtx, first: Selection | None = None,
+    def __init__(self, x: Exchange) -> None:
+        self.x = x
+
+    async def run(self, first: Selection[Instance] | None = None,
                   failed: PrefillFailed | None = None, lead: bool = False,
-                  decode: InstanceView | None = None) -> Prefilled | web.Response:
-    """kv_transfer_params from some prefill instance, decode-only, or the client's answer.
-    ``first``: the prefill already chosen for the first try (a policy picks once per try);
-    ``failed``: a first try that already failed (``first`` then goes unused); ``lead``: keep
-    prefill's answer, with token ids, for its first token (first_token.py); ``decode``: the
-    decode chosen (None: any), whose protocol versions the prefill must speak."""
-    cfg, reg = s.cfg, s.registry
-    tried = [failed.instance] if failed is not None else []
-    failures = [failed.failure] if failed is not None else []
-    missing_kv = failed is not None and failed.failure.kind is FailKind.MISSING_KV_PARAMS
-    for attempt in range(len(tried), cfg.retry.prefill_attempts):
-        if (attempt == 0 and first is not None
-                and (first.instance is None or first.instance in reg.candidates(Side.PREFILL))):
-            sel = first
-        else:
-            sel = choose_prefill(s, ctx, tuple(tried), decode)
-        inst = sel.instance
-        if inst is None:
-            break
-        assert isinstance(inst, Instance)
-        if sel.verdict is Verdict.SLO_MISS and attempt == 0:
-            if cfg.slo.admission == Admission.SHED:
-                return s.reject(
-                    429, "slo_ttft", f"no prefill instance is predicted to meet the TTFT "
-                    f"SLO (best {inst.url}: {sel.predicted_s:.3f}s > {cfg.slo.ttft_s}s)",
-                    "rate_limit_exceeded")
-            if cfg.slo.admission == Admission.COLOCATE:
-                return Prefilled(None, "colocate")
-        if tried:
-            tried[-1].retries[Side.PREFILL] += 1
-        res = await prefill_leg(s, ctx, inst, lead=lead)
-        if isinstance(res, Prefilled):
-            return res
-        if res.client_error is not None:
-            return res.client_error
-        missing_kv |= res.kind is FailKind.MISSING_KV_PARAMS
-        failures.append(res)
-        tried.append(inst)
-        log.warning("request %s: prefill attempt %d/%d failed: %s", ctx.rid, attempt + 1,
-                    cfg.retry.prefill_attempts, res.message)
-    reason = ("prefill_failed" if tried else
-              "no_compatible_prefill" if reg.candidates(Side.PREFILL) else "no_healthy_prefill")
-    if cfg.retry.decode_only_fallback and not missing_kv:
-        log.warning("request %s: serving decode-only (%s)", ctx.rid, reason)
-        return Prefilled(None, reason)
-    if not failures:
-        what = ("no prefill instance speaks a protocol version the decode instance speaks"
-                if reason == "no_compatible_prefill" else "no healthy prefill instance")
-        return s.reject(503, reason, f"{what} (and decode-only fallback is off: "
-                        "retry.decode_only_fallback)", retry_after_s=cfg.health.interval_s)
-    status = 504 if not missing_kv and all(f.status == 504 for f in failures) else 502
-    return error_response(status, "prefill failed: " + "; ".join(f.message for f in failures),
-                          "upstream_error")
+                  decode: Instance | None = None) -> Handoff:
+        """kv_transfer_params from some prefill instance, or decode alone. ``first``: the
+        prefill already chosen for the first try (a policy picks once per try); ``failed``: a
+        first try that already failed (``first`` then goes unused); ``lead``: keep prefill's
+        answer, with token ids, for its first token (first_token.py); ``decode``: the decode
+        chosen (None: any), whose protocol versions the prefill must speak."""
+        x = self.x
+        cfg, reg, decider = x.cfg, x.registry, x.decider
+        req = x.body.route.with_hits(x.hits)
+        tried = [failed.instance] if failed is not None else []
+        failures = [failed.failure] if failed is not None else []
+        missing_kv = failed is not None and failed.failure.kind is FailKind.MISSING_KV_PARAMS
+        for attempt in range(len(tried), cfg.retry.prefill_attempts):
+            if (attempt == 0 and first is not None
+                    and (first.instance is None
+                         or first.instance in reg.candidates(Side.PREFILL))):
+                sel = first
+            else:
+                sel = decider.choose_prefill(req, tuple(tried), decode)
+            inst = sel.instance
+            if inst is None:
+                break
+            match decider.admission(sel, attempt == 0):
+                case Admission.SHED:
+                    raise x.reject(
+                        429, "slo_ttft", f"no prefill instance is predicted to meet the TTFT "
+                        f"SLO (best {inst.url}: {sel.predicted_s:.3f}s > {cfg.slo.ttft_s}s)",
+                        "rate_limit_exceeded")
+                case Admission.COLOCATE:
+                    return Handoff.decode_alone(Reason.COLOCATE)
+            if tried:
+                tried[-1].retries[Side.PREFILL] += 1
+            res = await self.leg(inst, lead=lead)
+            if isinstance(res, Handoff):
+                return res
+            if res.client_error is not None:
+                raise res.client_error
+            missing_kv |= res.kind is FailKind.MISSING_KV_PARAMS
+            failures.append(res)
+            tried.append(inst)
+            log.warning("request %s: prefill attempt %d/%d failed: %s", x.rid, attempt + 1,
+                        cfg.retry.prefill_attempts, res.message)
+        fallback = decider.after_prefill(bool(tried), missing_kv)
+        if fallback.decode_alone:
+            log.warning("request %s: serving decode-only (%s)", x.rid, fallback.reason.value)
+            return Handoff.decode_alone(fallback.reason)
+        if not failures:
+            what = ("no prefill instance speaks a protocol version the decode instance speaks"
+                    if fallback.reason is Reason.NO_COMPATIBLE_PREFILL
+                    else "no healthy prefill instance")
+            raise x.reject(503, fallback.reason.value, f"{what} (and decode-only fallback is "
+                           "off: retry.decode_only_fallback)", retry_after_s=cfg.health.interval_s)
+        status = 504 if not missing_kv and all(f.status == 504 for f in failures) else 502
+        raise Refusal.error(status, "prefill failed: " + "; ".join(f.message for f in failures),
+                            "upstream_error")
 
-
-async def prefill_leg(s: Serving, ctx: RequestCtx, inst: Instance,
-                      early: dict[str, str] | None = None, lead: bool = False
-                      ) -> Prefilled | LegFailure:
-    """kv_transfer_params (raw JSON) from one prefill instance, or why not. ``early``: the
-    handoff's id and token, decode's leg having gone out already (early.py); ``lead``: keep
-    the whole answer, with token ids (first_token.py)."""
-    t = s.cfg.timeouts
-    span = s.tracer.start("prefill_leg", traceparent_of(ctx.root),
-                          attributes={"kvdisagg.instance": inst.url}) if ctx.root else None
-    pbody = bodies.prefill_body(ctx.body, traceparent_of(span), early, token_ids=lead)
-    start = _now()
-    leg = LegScope(inst, Side.PREFILL, ctx.body.route.prompt_tokens, s.metrics, span)
-    try:
-        resp = await inst.pool.request(b"POST", ctx.path, pbody, ctx.leg_headers(span),
-                                       connect_s=min(t.decode_connect_s, t.prefill_s),
-                                       headers_s=t.prefill_s)
-        data = await resp.read(max(0.001, t.prefill_s - (_now() - start)))
-    except UpstreamError as exc:
-        leg.fail(kind_of(exc), outcome_of(exc))
-        return LegFailure.of(exc, f"prefill {inst.url}: {exc}")
-    except asyncio.CancelledError:
-        leg.close(Outcome.CANCELLED)
-        raise
-    status = resp.status
-    if 200 <= status < 300:
-        kv = bodies.kv_params_of(data)
-        if kv is None and bodies.aborted(data):  # retiring (SIGTERM): not a misconfiguration
-            leg.fail(FailKind.ABORTED, Outcome.NEUTRAL)
-            return LegFailure(FailKind.ABORTED, f"prefill {inst.url} aborted the request "
-                              "(shutting down?)", 502)
-        if kv is None:
-            s.metrics.missing_kv_params(inst.url)
-            leg.fail(FailKind.MISSING_KV_PARAMS, Outcome.BROKEN)
-            return LegFailure(FailKind.MISSING_KV_PARAMS,
-                              f"prefill {inst.url} returned no kv_transfer_params (is it running "
-                              "with a kv_producer KV connector?)", 502)
-        elapsed = _now() - start
-        inst.observe_prefill(elapsed, ctx.body.route.prompt_tokens)
-        inst.handoff_params = kv  # what an early handoff from it will look like (early.py)
-        versions = handoff_versions(kv)
-        if versions is not None:  # what it speaks now (it may have been upgraded)
-            inst.protocol = versions
-        s.metrics.handoff.observe(elapsed)
-        leg.close(Outcome.OK)
-        return Prefilled(kv, answer=data if lead else b"", versions=versions)
-    msg = f"prefill {inst.url} returned {status}: {data[:300].decode('utf-8', 'replace')}"
-    if 400 <= status < 500 and status not in RETRYABLE_STATUS:
-        leg.close(Outcome.OK)  # the instance is fine; the request is not
-        return LegFailure(FailKind.STATUS, msg, status, relay_error(status, data, msg))
-    leg.fail(FailKind.STATUS, status_outcome(status))
-    return LegFailure(FailKind.STATUS, msg, 502)
-
-
-def relay_error(status: int, data: bytes, message: str) -> web.Response:
-    """An upstream 4xx: keep its JSON body if it is OpenAI-style, else wrap the text."""
-    if data.startswith(b"{") and b'"error"' in data[:200]:
-        return web.Response(body=data, status=status, content_type="application/json")
-    return web.Response(body=error_body(status, message, "invalid_request_error"),
-                        status=status, content_type="application/json")
+    async def leg(self, inst: Instance, early: dict[str, str] | None = None,
+                  lead: bool = False) -> Handoff | LegFailure:
+        """kv_transfer_params (raw JSON) from one prefill instance, or why not. ``early``: the
+        handoff's id and token, decode's leg having gone out already (early.py); ``lead``: keep
+        the whole answer, with token ids (first_token.py)."""
+        x = self.x
+        t = x.cfg.timeouts
+        span = x.leg_span("prefill_leg", {"kvdisagg.instance": inst.url})
+        pbody = bodies.prefill_body(x.body, traceparent_of(span), early, token_ids=lead)
+        start = _now()
+        leg = LegScope(inst, Side.PREFILL, x.body.route.prompt_tokens, x.metrics, span)
+        try:
+            resp = await inst.pool.request(b"POST", x.path, pbody, x.leg_headers(span),
+                                           connect_s=min(t.decode_connect_s, t.prefill_s),
+                                           headers_s=t.prefill_s)
+            data = await resp.read(max(0.001, t.prefill_s - (_now() - start)))
+        except UpstreamError as exc:
+            leg.fail(kind_of(exc), outcome_of(exc))
+            return LegFailure.of(exc, f"prefill {inst.url}: {exc}")
+        except asyncio.CancelledError:
+            leg.close(Outcome.CANCELLED)
+            raise
+        status = resp.status
+        if 200 <= status < 300:
+            kv = bodies.kv_params_of(data)
+            if kv is None and bodies.aborted(data):  # retiring (SIGTERM): not a misconfiguration
+                leg.fail(FailKind.ABORTED, Outcome.NEUTRAL)
+                return LegFailure(FailKind.ABORTED, f"prefill {inst.url} aborted the request "
+                                  "(shutting down?)", 502)
+            if kv is None:
+                x.metrics.missing_kv_params(inst.url)
+                leg.fail(FailKind.MISSING_KV_PARAMS, Outcome.BROKEN)
+                return LegFailure(FailKind.MISSING_KV_PARAMS,
+                                  f"prefill {inst.url} returned no kv_transfer_params (is it "
+                                  "running with a kv_producer KV connector?)", 502)
+            elapsed = _now() - start
+            inst.observe_prefill(elapsed, x.body.route.prompt_tokens)
+            inst.handoff_params = kv  # what an early handoff from it will look like (early.py)
+            versions = handoff_versions(kv)
+            if versions is not None:  # what it speaks now (it may have been upgraded)
+                inst.protocol = versions
+            x.metrics.handoff.observe(elapsed)
+            leg.close(Outcome.OK)
+            return Handoff(kv, answer=data if lead else b"", versions=versions)
+        msg = f"prefill {inst.url} returned {status}: {data[:300].decode('utf-8', 'replace')}"
+        if 400 <= status < 500 and status not in RETRYABLE_STATUS:
+            leg.close(Outcome.OK)  # the instance is fine; the request is not
+            return LegFailure(FailKind.STATUS, msg, status, Refusal.relayed(status, data, msg))
+        leg.fail(FailKind.STATUS, status_outcome(status))
+        return LegFailure(FailKind.STATUS, msg, 502)

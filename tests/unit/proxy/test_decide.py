@@ -272,9 +272,9 @@ def test_prefill_legs_queue_the_exact_prompt_length_once_the_proxy_tokenizes() -
 def test_a_prompt_is_noted_where_it_is_computed_until_shortly_after(monkeypatch) -> None:
     """Decode alone: on decode; disaggregated: on the prefill. Dropped PENDING_GRACE_S after
     its leg answered (the KV events have it by then)."""
-    from kvdisagg.proxy import serving as serving_module
+    from kvdisagg.proxy import pipeline
 
-    monkeypatch.setattr(serving_module, "PENDING_GRACE_S", 0.2)
+    monkeypatch.setattr(pipeline, "PENDING_GRACE_S", 0.2)
 
     async def t() -> None:
         async with proxy(decision=DecisionConfig(local_prefill_tokens=100)) as env:

@@ -5,7 +5,6 @@ events made of prefill's answer, and the continuation decode gets, against fake 
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -13,7 +12,8 @@ import pytest
 from kvdisagg.proxy import body as bodies
 from kvdisagg.proxy.app import REGISTRY
 from kvdisagg.proxy.config import ProxyConfig
-from kvdisagg.proxy.first_token import first_events, wanted
+from kvdisagg.proxy.decide import takes_first_token
+from kvdisagg.proxy.first_token import first_events
 from kvdisagg.proxy.types import Role
 from tests.support.proxy_harness import events, metric, post_stream, proxy, run, until
 
@@ -139,9 +139,9 @@ def test_no_events_for_a_parsers_output() -> None:
     ({"some_new_field": 1}, False),  # a field the contract does not know
 ])
 def test_which_requests_take_it(fields: dict, want: bool) -> None:
-    s: Any = SimpleNamespace(cfg=ProxyConfig())
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 8, "stream": True, **fields}
-    assert wanted(s, bodies.parse(json.dumps(body).encode(), False, 256)) is want
+    assert takes_first_token(ProxyConfig(),
+                             bodies.parse(json.dumps(body).encode(), False, 256)) is want
 
 
 def test_stream_starts_with_prefills_token_and_decode_continues_it() -> None:

@@ -607,7 +607,7 @@ def test_stream_relay_backpressure_and_http10(monkeypatch: pytest.MonkeyPatch) -
     """The callback relay: a client that reports itself backed up on every write (pause the
     decode stream, drain, resume) still gets every event, in order; an HTTP/1.0 client gets the
     stream unframed (no chunked encoding) until the connection closes."""
-    from kvdisagg.proxy import decode
+    from kvdisagg.proxy import relay
 
     def expected(rid: bytes) -> bytes:
         return b"".join(b'data: {"id":"%s","choices":[{"index":0,"text":"t%d ",'
@@ -618,7 +618,7 @@ def test_stream_relay_backpressure_and_http10(monkeypatch: pytest.MonkeyPatch) -
     async def t() -> None:
         async with proxy() as env:
             env.decode[0].tokens = 300
-            monkeypatch.setattr(decode, "_CLIENT_HIGH_WATER", -1)
+            monkeypatch.setattr(relay, "_CLIENT_HIGH_WATER", -1)
             r = await env.client.post("/v1/completions", json={**GEN, "stream": True})
             assert r.status == 200 and await r.read() == expected(b"cmpl-d0-0")
             monkeypatch.undo()
