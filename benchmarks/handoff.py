@@ -205,7 +205,7 @@ def main() -> None:
                           + "".join(f", {k} {row[k]:7.1f} ms" for k in more),
                           file=sys.stderr)
                 results[n] = rows
-                if more:  # how many of default's requests went out early (proxy/early.py)
+                if more:  # how many of default's requests went out early (proxy/handoff/early.py)
                     rows[0]["default_early"] = _early(more) - early0
             want = {r["rid"] for rows in results.values() for r in rows}
             spans = sink.wait_for(lambda sp: want <= _complete(sp), timeout_s=30)

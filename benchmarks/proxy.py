@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from kvdisagg.local.servers import free_port
-from kvdisagg.proxy.upstream import Pool
+from kvdisagg.proxy.fleet.upstream import Pool
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 WORKLOADS = {

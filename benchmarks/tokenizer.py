@@ -37,10 +37,10 @@ from typing import Any
 
 from kvdisagg.local.servers import VllmServer, free_port
 from kvdisagg.local.tiny_model import _WORDS, ensure_tiny_model
-from kvdisagg.proxy.cache_index import CacheIndex
 from kvdisagg.proxy.config import CacheIndexConfig, TokenizerConfig
-from kvdisagg.proxy.tokens import RequestTokenizer
-from kvdisagg.proxy.upstream import Pool
+from kvdisagg.proxy.fleet.upstream import Pool
+from kvdisagg.proxy.routing.cache_index import CacheIndex
+from kvdisagg.proxy.routing.tokens import RequestTokenizer
 
 LENGTHS = (100, 1000, 2000)
 CHARS_PER_TOKEN = 4.5  # the tiny tokenizer on these words (checked against the real counts)

@@ -12,7 +12,7 @@ Paths are forced by the proxy's flags, one proxy each, on the session's fleet:
   of a token inside a multi-byte character, and the finish event.
 
 Each response also shows the path it took (``X-Kvdisagg-Handoff``), which must be the one the
-contract (proxy/contract.py) gives for the form; decode's pull counter and the proxy's
+contract (proxy/routing/contract.py) gives for the form; decode's pull counter and the proxy's
 first-token counter must have moved for each request that claims them, so a silent recompute or
 a fallback can never pass as P/D. Greedy and seeded answers are reproducible, so comparisons are
 exact except logprobs (``LOGPROB_RTOL``: decode computes the prompt's last token in another
@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from kvdisagg.proxy import contract
+from kvdisagg.proxy.routing import contract
 from tests.support.cutting_relay import cutting_relay
 
 from .conftest import metric, wait_metric_change

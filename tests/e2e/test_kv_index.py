@@ -25,10 +25,10 @@ import pytest
 from kvdisagg.local.fleet import kv_events_args
 from kvdisagg.local.servers import VllmServer
 from kvdisagg.local.tiny_model import _WORDS
-from kvdisagg.proxy.cache_index import CacheIndex, IndexState
 from kvdisagg.proxy.config import CacheIndexConfig, TokenizerConfig, TokenizerMode
-from kvdisagg.proxy.tokens import RequestTokenizer
-from kvdisagg.proxy.upstream import Pool
+from kvdisagg.proxy.fleet.upstream import Pool
+from kvdisagg.proxy.routing.cache_index import CacheIndex, IndexState
+from kvdisagg.proxy.routing.tokens import RequestTokenizer
 from tests.e2e.conftest import BLOCK, LOG_DIR, completion_tokens, metric, post, prompt_ids
 
 pytestmark = pytest.mark.e2e

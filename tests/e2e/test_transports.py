@@ -72,8 +72,8 @@ def test_token_identical_and_kv_moved(tfleet):
 
 
 def test_stream_continues_after_prefills_first_token(tfleet):
-    """A stream's default path (proxy/first_token.py): the client gets prefill's first token,
-    decode continues with the prompt plus that token, one longer than the handoff (a store
+    """A stream's default path (proxy/handoff/first_token.py): the client gets prefill's first
+    token, decode continues with the prompt plus that token, one longer than the handoff (a store
     transport looks the KV up by prefill's tokens, not decode's)."""
     text = "The keeper counted the waves and wrote each one in his book. " * 12
     status, ref = post(tfleet.plain + "/v1/completions", {**GEN, "prompt": text})

@@ -27,7 +27,7 @@ from kvdisagg.connector.config import parse_config
 from kvdisagg.proxy import admin_cli
 from kvdisagg.proxy.cli import add_arguments
 from kvdisagg.proxy.config import load_config_file
-from kvdisagg.proxy.kv_events import source_from_publisher
+from kvdisagg.proxy.routing.kv_events import source_from_publisher
 from tests.support import kustomize
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -175,9 +175,11 @@ HTTP_CONTRACT = ("kvdisagg.connector.protocol.params", "kvdisagg.connector.proto
     ("kvdisagg.cli.doctor", ("kvdisagg.proxy", *CONNECTOR_SIDES)),
     # the proxy's vocabulary and config sit below everything else in the proxy
     ("kvdisagg.proxy.types", ("kvdisagg.proxy.",)),
-    ("kvdisagg.proxy.config", ("kvdisagg.proxy.policies", "kvdisagg.proxy.registry",
-                               "kvdisagg.proxy.discovery", "kvdisagg.proxy.app")),
-    ("kvdisagg.proxy.policies", ("kvdisagg.proxy.registry", "kvdisagg.proxy.serving")),
+    ("kvdisagg.proxy.config", ("kvdisagg.proxy.fleet", "kvdisagg.proxy.routing",
+                               "kvdisagg.proxy.handoff", "kvdisagg.proxy.metrics",
+                               "kvdisagg.proxy.app")),
+    # policies only select: they see instances through InstanceView, never the registry
+    ("kvdisagg.proxy.routing.policies", ("kvdisagg.proxy.fleet", "kvdisagg.proxy.handoff")),
 ])
 def test_imports_run_one_way(module: str, forbidden: tuple[str, ...]) -> None:
     assert module in graph(), f"{module} is gone: update this rule"
@@ -286,5 +288,57 @@ def test_importing_proxy_config_loads_no_runtime_module() -> None:
 
 
 def test_the_config_layer_check_can_fail() -> None:
-    assert "zmq" in module_level_imports(modules()["kvdisagg.proxy.cache_index"])
-    assert "kvdisagg.proxy.kv_events" in reaches(graph(), "kvdisagg.proxy.cache_index")
+    assert "zmq" in module_level_imports(modules()["kvdisagg.proxy.routing.cache_index"])
+    assert "kvdisagg.proxy.routing.kv_events" in reaches(graph(),
+                                                         "kvdisagg.proxy.routing.cache_index")
+
+
+PROXY_LAYERS = (
+    ("kvdisagg.proxy.types", "kvdisagg.proxy.targets", "kvdisagg.proxy.config",
+     "kvdisagg.proxy.responses"),
+    ("kvdisagg.proxy.fleet",),
+    ("kvdisagg.proxy.routing",),
+    ("kvdisagg.proxy.metrics",),
+    ("kvdisagg.proxy.handoff",),
+    ("kvdisagg.proxy", "kvdisagg.proxy.app", "kvdisagg.proxy.cli", "kvdisagg.proxy.admin_cli"),
+)
+"""The proxy's parts, bottom up (docs/architecture.md's module map): its vocabulary and config;
+the fleet (membership, health, the upstream client); routing (the request, the contract,
+policies, the decision, the cache index); the metrics; the handoff (the request pipeline, legs,
+relay, migration, fan-out); the application and its command lines. A module reaches nothing of
+a part above its own."""
+
+
+def proxy_layer(module: str) -> int | None:
+    for i, layer in enumerate(PROXY_LAYERS):
+        if any(module == p or (p != "kvdisagg.proxy" and module.startswith(p + "."))
+               for p in layer):
+            return i
+    return None
+
+
+def upward(g: dict[str, set[str]], module: str) -> list[str]:
+    """The proxy modules of a part above ``module``'s that it reaches."""
+    level = proxy_layer(module)
+    assert level is not None, module
+    return sorted(m for m in reaches(g, module)
+                  if (other := proxy_layer(m)) is not None and other > level)
+
+
+def test_every_proxy_module_has_a_layer() -> None:
+    assert not [m for m in graph() if m.startswith("kvdisagg.proxy") and proxy_layer(m) is None]
+
+
+def test_the_proxy_imports_run_one_way() -> None:
+    g = graph()
+    for module in sorted(m for m in g if m.startswith("kvdisagg.proxy")):
+        assert not upward(g, module), f"{module} reaches {upward(g, module)}"
+
+
+def test_the_proxy_layer_check_can_fail() -> None:
+    assert proxy_layer("kvdisagg.proxy") == proxy_layer("kvdisagg.proxy.app") == 5
+    g = {"kvdisagg.proxy.fleet.registry": {"kvdisagg.proxy.config"},
+         "kvdisagg.proxy.config": {"kvdisagg.proxy.handoff.relay"},
+         "kvdisagg.proxy.handoff.relay": set()}
+    assert upward(g, "kvdisagg.proxy.fleet.registry") == ["kvdisagg.proxy.handoff.relay"]
+    assert upward(g, "kvdisagg.proxy.handoff.relay") == []

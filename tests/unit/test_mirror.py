@@ -19,7 +19,8 @@ NOT_ONE_MODULE = {
     "test_monitoring.py": "examples/kubernetes/monitoring/ (alert rules, their promtool tests, "
                           "the dashboard)",
     "bench/test_layering.py": "bench/ and the profile command run without vLLM",
-    "proxy/test_discovery_kubernetes.py": "discovery.py's Kubernetes source, apart for its size",
+    "proxy/fleet/test_discovery_kubernetes.py": "discovery.py's Kubernetes source, apart for its "
+                                                "size",
     "transport/test_conformance.py": "every transport against one contract (slow: processes)",
     "transport/test_data_paths.py": "the data-path helpers of every pull transport",
 }

@@ -124,10 +124,10 @@ def exposition_families(text: str) -> dict[str, set[str]]:
 
 def proxy_exposition() -> str:
     """The proxy's /metrics with a sample in every family (proxy/metrics.py)."""
-    from kvdisagg.proxy.cache_index import IndexState, InstanceStatus
     from kvdisagg.proxy.config import InstanceSpec, ProxyConfig, SloConfig
+    from kvdisagg.proxy.fleet.registry import Registry
     from kvdisagg.proxy.metrics import Metrics
-    from kvdisagg.proxy.registry import Registry
+    from kvdisagg.proxy.routing.cache_index import IndexState, InstanceStatus
     from kvdisagg.proxy.types import Role, Side
 
     reg = Registry(ProxyConfig())

@@ -347,7 +347,7 @@ class DisaggScheduler:
             self.leases.drop(request.request_id, release=False)  # the worker reports no load
         if self.keyed_by_tokens and not load.error and incoming.handoff is not None:
             # Keyed by the tokens prefill stored: decode's prompt may extend them (a
-            # continuation after prefill's first token, proxy/first_token.py).
+            # continuation after prefill's first token, proxy/handoff/first_token.py).
             tokens = request.prompt_token_ids
             if not incoming.handoff.kvdisagg.early:
                 tokens = tokens[:incoming.handoff.remote_num_tokens]

@@ -1,7 +1,7 @@
 """The OpenAI-compatible front door that performs the prefill -> decode handoff.
 
 ``make_app`` is loaded on first use, so importing one of the proxy's modules
-(``kvdisagg.proxy.body``) does not import the whole application.
+(``kvdisagg.proxy.routing.body``) does not import the whole application.
 """
 
 from __future__ import annotations

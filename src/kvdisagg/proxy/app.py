@@ -16,15 +16,16 @@ import signal
 import msgspec
 from aiohttp import web
 
-from kvdisagg.proxy import admin, passthrough
-from kvdisagg.proxy.cache_index import CacheIndex
 from kvdisagg.proxy.config import ProxyConfig
-from kvdisagg.proxy.discovery import Discovery
+from kvdisagg.proxy.fleet import admin
+from kvdisagg.proxy.fleet.discovery import Discovery
+from kvdisagg.proxy.fleet.registry import Instance, MemberEvent, Registry
+from kvdisagg.proxy.handoff import passthrough
+from kvdisagg.proxy.handoff.serving import Serving
 from kvdisagg.proxy.metrics import Metrics
-from kvdisagg.proxy.policies import make_policy
-from kvdisagg.proxy.registry import Instance, MemberEvent, Registry
-from kvdisagg.proxy.serving import Serving
-from kvdisagg.proxy.tokens import RequestTokenizer
+from kvdisagg.proxy.routing.cache_index import CacheIndex
+from kvdisagg.proxy.routing.policies import make_policy
+from kvdisagg.proxy.routing.tokens import RequestTokenizer
 from kvdisagg.proxy.types import Side
 from kvdisagg.tracing import Tracer
 

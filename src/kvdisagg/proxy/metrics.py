@@ -16,11 +16,11 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from kvdisagg.proxy.config import SloConfig
-from kvdisagg.proxy.registry import Registry
+from kvdisagg.proxy.fleet.registry import Registry
 from kvdisagg.proxy.types import Side
 
 if TYPE_CHECKING:
-    from kvdisagg.proxy.cache_index import CacheIndex
+    from kvdisagg.proxy.routing.cache_index import CacheIndex
 
 P = "kvdisagg_proxy_"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

@@ -1,7 +1,8 @@
 """The proxy's vocabulary: small enums every layer shares (config, policies, registry, stages).
 
-Imports nothing from the proxy, so any module may import it (imports run one way:
-types -> config -> policies -> registry -> admin/discovery/stages/metrics -> app).
+Imports nothing from the proxy, so any module may import it (imports run one way: the
+vocabulary and config -> fleet/ -> routing/ -> metrics -> handoff/ -> app;
+tests/unit/test_layering.py).
 """
 
 from __future__ import annotations

@@ -481,7 +481,7 @@ def test_decode_claims_at_most_remote_num_tokens(make, remote_tokens):
 
 
 def test_decode_keyed_load_names_the_tokens_prefill_stored(make):
-    """A continuation after prefill's first token (proxy/first_token.py): decode's prompt is
+    """A continuation after prefill's first token (proxy/handoff/first_token.py): decode's prompt is
     prefill's plus that token. A store transport's load is keyed by prefill's tokens (its
     last, partial chunk included), not decode's, whose last chunk prefill never stored."""
     h = make("kv_consumer", transport="lmcache", handshake_extra={"keyed_by_tokens": True},

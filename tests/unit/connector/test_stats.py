@@ -40,7 +40,7 @@ def test_the_instance_exports_the_protocol_versions_it_speaks_as_the_proxy_reads
 
     from kvdisagg.connector.protocol.versions import SPOKEN, Versions
     from kvdisagg.connector.stats import DisaggPromMetrics
-    from kvdisagg.proxy.registry import probe_samples, protocol_versions
+    from kvdisagg.proxy.fleet.registry import probe_samples, protocol_versions
 
     for extra, want in (({}, SPOKEN), ({"protocol_version_override": 9}, Versions(9, 9))):
         registry = CollectorRegistry()

@@ -31,7 +31,7 @@ from kvdisagg.proxy.config import (
     ProxyConfig,
     TimeoutConfig,
 )
-from kvdisagg.proxy.registry import Registry, State
+from kvdisagg.proxy.fleet.registry import Registry, State
 from kvdisagg.proxy.types import Role
 from tests.support.fake_vllm import FakeVllm
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from kvdisagg import prom_text
-from kvdisagg.proxy.cache_index import IndexState, InstanceStatus
 from kvdisagg.proxy.config import InstanceSpec, ProxyConfig, SloConfig
-from kvdisagg.proxy.kv_events import IndexCounters
+from kvdisagg.proxy.fleet.registry import Registry
 from kvdisagg.proxy.metrics import LATENCY_BUCKETS, TPOT_BUCKETS, Histogram, Metrics
-from kvdisagg.proxy.registry import Registry
+from kvdisagg.proxy.routing.cache_index import IndexState, InstanceStatus
+from kvdisagg.proxy.routing.kv_events import IndexCounters
 from kvdisagg.proxy.types import Role, Side
 from tests.support.proxy_harness import GEN, metric, proxy, run
 
