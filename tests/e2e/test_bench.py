@@ -165,6 +165,11 @@ def test_bench_colocated_vs_disaggregated_and_proxy_agrees(bench_fleet, tmp_path
     # phases (published on an interval, so the last few may fall after the closing scrape).
     assert "handoff phases" in res.stderr
     d = bench_fleet.decode.base_url
+    # A connector's phases reach vLLM's /metrics with an engine step's stats: an idle decode
+    # publishes the last reads of one disagg run at the first step of the next (the colocated
+    # run between them leaves it idle). So a run may count up to what earlier runs still owe,
+    # and no more: never more reads than the pulls asked for so far.
+    owed = {phase: 0.0 for phase in ("read", "transfer", "load")}
     for r in runs:
         phases = {(p["where"], p["phase"]): p for p in r["phases"]}
         if r["endpoint"] == "colocated":  # the pair served nothing meanwhile
@@ -175,7 +180,9 @@ def test_bench_colocated_vs_disaggregated_and_proxy_agrees(bench_fleet, tmp_path
         assert phases[(bench_fleet.slo_proxy_url, "decode leg to first token")]["count"] == \
             r["requests"]
         for phase in ("read", "transfer", "load"):
-            assert 1 <= phases[(d, phase)]["count"] <= r["requests"], phase
+            count = phases[(d, phase)]["count"]
+            assert 1 <= count <= r["requests"] + owed[phase], (phase, count, owed)
+            owed[phase] += r["requests"] - count
         assert 0 < phases[(d, "transfer")]["mean_s"] < phases[(d, "load")]["mean_s"]
 
 
