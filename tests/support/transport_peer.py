@@ -19,6 +19,7 @@ a real process boundary with the same seeded KV on both ends:
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import secrets
 import subprocess
@@ -88,6 +89,38 @@ def open_transport(config: ConnectorConfig, caches: dict[str, torch.Tensor], *,
     return transport, port
 
 
+SPARES = 2
+"""Peer processes started ahead, idle after their imports (torch: about 2 s of one core) until
+a PeerProcess gives one its arguments: a test's peers start while earlier tests run (they
+mostly wait), not when the test asks. Each test still gets fresh processes."""
+_spares: list[subprocess.Popen[str]] = []
+
+
+def _start_spare() -> subprocess.Popen[str]:
+    return subprocess.Popen(  # cwd: where the package ``tests`` is importable
+        [sys.executable, "-m", "tests.support.transport_peer", "--spare"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        cwd=Path(__file__).resolve().parents[2])
+
+
+def _spare() -> subprocess.Popen[str]:
+    """A started peer waiting for its arguments; as many started again in its place."""
+    if not _spares:
+        atexit.register(_stop_spares)
+    live = [p for p in _spares if p.poll() is None]
+    proc = live.pop(0) if live else _start_spare()
+    _spares[:] = live
+    while len(_spares) < SPARES:
+        _spares.append(_start_spare())
+    return proc
+
+
+def _stop_spares() -> None:
+    for proc in _spares:
+        proc.kill()
+        proc.wait()
+
+
 class PeerProcess:
     """Client of this module run as a subprocess: the prefill side, seeded, in its own process."""
 
@@ -113,13 +146,12 @@ class PeerProcess:
                 "--shape",
                 f"{shape.tp}:{','.join(map(str, shape.stages))}",
             ]
-        self.proc = subprocess.Popen(  # cwd: where the package ``tests`` is importable
-            [sys.executable, "-m", "tests.support.transport_peer", "--transport", transport,
-             "--config", json.dumps(extra), "--seed", str(seed), "--blocks", str(blocks),
-             "--block-shape", ",".join(map(str, block_shape)),
-             "--stage-blocks", str(stage_blocks), "--rank", str(rank), *args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            cwd=Path(__file__).resolve().parents[2])
+        self.proc = _spare()
+        self.proc.stdin.write(json.dumps([
+            "--transport", transport, "--config", json.dumps(extra), "--seed", str(seed),
+            "--blocks", str(blocks), "--block-shape", ",".join(map(str, block_shape)),
+            "--stage-blocks", str(stage_blocks), "--rank", str(rank), *args]) + "\n")
+        self.proc.stdin.flush()
         self.port = self._read()["port"]
 
     def _read(self) -> dict[str, Any]:
@@ -188,7 +220,13 @@ def main() -> int:
     p.add_argument("--model-layers", type=int, default=2, help="the model's layers")
     p.add_argument("--rank", type=int, default=0, help="this rank (PP-major)")
     p.add_argument("--shape", default="1:0", help="TP:first layer of each PP stage")
-    args = p.parse_args()
+    argv = sys.argv[1:]
+    if argv == ["--spare"]:  # imported, now told what to be (PeerProcess)
+        line = sys.stdin.readline()
+        if not line:
+            return 0  # not needed after all
+        argv = json.loads(line)
+    args = p.parse_args(argv)
     config = msgspec.convert({**json.loads(args.config), "transport": args.transport},
                              ConnectorConfig)
     tp, _, stages = args.shape.partition(":")
