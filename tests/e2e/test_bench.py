@@ -25,7 +25,7 @@ from typing import NamedTuple
 import pytest
 
 from kvdisagg.local.fleet import Fleet
-from kvdisagg.local.servers import VllmServer, free_port
+from kvdisagg.local.servers import VllmServer, free_port, stop_process
 
 from .conftest import LOG_DIR
 
@@ -80,11 +80,7 @@ def bench_fleet(fleet: Fleet):
     try:
         yield BenchFleet(fleet.prefill, fleet.decode, fleet.reference, url)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
 
 
 MARGIN = 0.25  # of each SLO: where the proxy's and the client's clocks may judge differently

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from kvdisagg.local.servers import free_port
+from kvdisagg.local.servers import free_port, stop_process
 
 from .conftest import (
     LOG_DIR,
@@ -67,8 +67,7 @@ def deciding(fleet, model: Path):
                                  f"{(LOG_DIR / 'deciding-proxy.log').read_text()[-2000:]}")
         yield url
     finally:
-        proc.terminate()
-        proc.wait(15)
+        stop_process(proc, 15)
 
 
 def complete(base: str, prompt: list[int]) -> tuple[list[int], str]:

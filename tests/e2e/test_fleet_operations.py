@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from kvdisagg.local.fleet import Fleet
-from kvdisagg.local.servers import free_port
+from kvdisagg.local.servers import free_port, stop_process
 
 from .conftest import (
     LOG_DIR,
@@ -226,12 +226,8 @@ class PD2:
         return self
 
     def stop(self) -> None:
-        if self.proxy is not None and self.proxy.poll() is None:
-            self.proxy.terminate()
-            try:
-                self.proxy.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proxy.kill()
+        if self.proxy is not None:
+            stop_process(self.proxy, 15)
 
     def prefill_requests(self, i: int) -> float:
         return metric(self.url, "kvdisagg_proxy_instance_requests_total",

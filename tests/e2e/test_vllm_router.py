@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdisagg.local.servers import free_port
+from kvdisagg.local.servers import free_port, stop_process
 
 from .conftest import LOG_DIR, completion_tokens, metric, prompt_ids, wait_metric_change
 
@@ -54,11 +54,7 @@ def router(fleet):
             time.sleep(0.5)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
         log.close()
 
 

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from kvdisagg.local.servers import VllmServer, free_port, metric_value, stop_all
+from kvdisagg.local.servers import VllmServer, free_port, metric_value, stop_all, stop_process
 
 
 def kv_transfer_args(role: str, extra: dict[str, Any] | None = None,
@@ -89,11 +89,7 @@ def running_proxy(prefills: Sequence[str], decodes: Sequence[str], args: Sequenc
         wait_proxy_ready(url, log_path=log_path)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
 
 
 class Fleet:
