@@ -39,6 +39,9 @@ class FakeVllm:
         # decode: after N events, end the stream as vLLM does when its engine dies (an error
         # event of code 500, then [DONE]: EngineDeadError, e.g. killed at --shutdown-timeout)
         self.engine_dies_after: int | None = None
+        # decode: end the stream cleanly after N events, without finish_reason or [DONE]
+        # (an API server shutting down)
+        self.ends_after: int | None = None
         self.hang_after: int | None = None  # decode: go silent after N events
         self.token_delay_s = 0.0  # streaming: pause before each token event (bench tests)
         self.use_max_tokens = False  # stream the request's max_tokens events, not ``tokens``
@@ -178,6 +181,9 @@ class FakeVllm:
             if self.die_after is not None and i >= self.die_after:
                 assert request.transport is not None
                 request.transport.abort()
+                return resp
+            if self.ends_after is not None and i >= self.ends_after:
+                await resp.write_eof()
                 return resp
             if self.engine_dies_after is not None and i >= self.engine_dies_after:
                 dead = {"error": {"message": "EngineCore encountered an issue. See stack trace "

@@ -17,9 +17,10 @@ A leg fails mid-stream when its connection breaks or goes silent, and also when 
 ends the stream with an error event of a server error (its engine died: ``EngineDeadError``,
 e.g. a decode killed at its ``--shutdown-timeout``), with ``finish_reason: abort`` (an engine
 shutting down aborts what it still runs), or with its usage event or ``[DONE]`` before the
-answer's finish_reason (an engine shut down under a request it had not started): ``Tap`` holds
-that event back (and the ``[DONE]`` after it) and the relay migrates the rest of the answer as
-for a broken connection.
+answer's finish_reason (an engine shut down under a request it had not started), or when the
+stream just ends, cleanly, before that finish_reason (an API server shutting down: ``Tap.end``):
+``Tap`` holds such an event back (and the ``[DONE]`` after it) and the relay migrates the rest
+of the answer as for a broken connection.
 
 Only ``n == 1`` streams migrate (a break in one of n interleaved samples cannot be resumed
 alone); non-streamed requests need no migration: nothing was delivered, the decode stage
@@ -120,6 +121,12 @@ class Tap:
             data = _PROMPT_IDS.sub(b'"prompt_token_ids":null',
                                    _TOKEN_IDS.sub(b'"token_ids":null', data))
         return data
+
+    def end(self) -> None:
+        """The leg's stream ended (its connection closed cleanly): without the answer's
+        finish_reason, the leg failed (an API server shutting down may end its streams so)."""
+        if self.failure is None and not self.finished and not self.refused:
+            self.failure = "its stream ended before the answer's finish_reason"
 
     def _cut_at_failure(self, data: bytes) -> bytes:
         """``data`` up to an event that ends the leg, not the answer: a server error (code >=

@@ -188,6 +188,8 @@ class Relay:
             while True:
                 try:
                     await self._pipe()
+                    if self.tap is not None:
+                        self.tap.end()
                     if self.tap is not None and self.tap.failure is not None:
                         raise UpstreamError(f"its engine ended the stream: {self.tap.failure}")
                     outcome, result = "ok", Outcome.OK
@@ -250,11 +252,15 @@ class Relay:
         if tap is None:
             return head
         out = tap.feed(head)
-        while not out and leg.head is not None:
-            chunk = await leg.resp.next_chunk(self.x.cfg.timeouts.decode_idle_s)
-            if chunk is None:
-                break
-            out = tap.feed(chunk)
+        try:
+            while not out and leg.head is not None:
+                chunk = await leg.resp.next_chunk(self.x.cfg.timeouts.decode_idle_s)
+                if chunk is None:
+                    break
+                out = tap.feed(chunk)
+        except UpstreamError as exc:  # the relay's loop migrates the rest (tap.failure)
+            if tap.failure is None:
+                tap.failure = str(exc)
         return out
 
     async def _pipe(self) -> None:

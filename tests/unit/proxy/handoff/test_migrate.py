@@ -80,6 +80,30 @@ def test_a_stream_vllm_ends_with_a_server_error_migrates() -> None:
     run(t())
 
 
+def test_a_stream_that_ends_cleanly_before_its_finish_reason_migrates() -> None:
+    """An API server shutting down may end a stream cleanly (its chunked body terminated)
+    with no finish_reason and no [DONE], after some tokens or none: relayed as the end, the
+    client got a cut answer (the full run's decode SIGTERM). The leg failed: the rest of the
+    answer is migrated, whole and once."""
+    async def t(after: int) -> None:
+        async with proxy(n_decode=2) as env:
+            for d in env.decode:
+                d.use_max_tokens = True
+            env.decode[0].ends_after = after
+            body = {"model": "tiny", "prompt": "hello", "max_tokens": 8, "stream": True}
+            evs = events(await (await env.client.post("/v1/completions", json=body)).read())
+            assert token_texts(evs) == [f"t{k} " for k in range(8)]
+            assert not any("error" in e for e in evs if e != "[DONE]")
+            assert evs.count("[DONE]") == 1 and evs[-1] == "[DONE]"
+            (cont,) = env.decode[1].seen
+            assert cont["body"]["max_tokens"] == 8 - after
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_migrations_total", outcome="ok") == 1
+            assert metric(text, "kvdisagg_proxy_instance_in_flight") == 0
+    run(t(3))
+    run(t(1))
+
+
 def test_a_client_error_event_mid_stream_is_not_migrated() -> None:
     from kvdisagg.proxy.handoff.migrate import Tap
 
