@@ -83,9 +83,23 @@ def session_fleet(model: Path, otlp_sink):
         with fleet:
             corrupt.wait_ready(900)
             fleet.corrupt = corrupt
+            _STARTED.append(fleet)
             yield fleet
     finally:
+        _STARTED.clear()
         corrupt.stop()
+
+
+_STARTED: list[Fleet] = []  # the session fleet, once a module asked for it
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_proxies_stop_with_the_module():
+    """The proxies a module adds to the session fleet (``fleet.extra_proxy``) stop when the
+    module ends: each would probe the session's instances for the rest of the run."""
+    yield
+    for fleet in _STARTED:
+        fleet.stop_extra_proxies()
 
 
 @pytest.fixture(scope="session")

@@ -181,8 +181,9 @@ class Fleet:
                     decodes: Sequence[str] = ()) -> str:
         """Another proxy on the same instances (started fleet), with its own arguments (the
         fleet's ``kv_events`` tokenizer included, not ``--always-disaggregate``); stopped with
-        the fleet. ``decodes``: other decode URLs than the fleet's (a relay in front of
-        them). Returns its URL once ready; its log is ``<name>.log``."""
+        the fleet or by ``stop_extra_proxies``. ``decodes``: other decode URLs than the
+        fleet's (a relay in front of them). Returns its URL once ready; its log is
+        ``<name>.log``."""
         port = free_port()
         self.extra_proxies.append(
             self._spawn_proxy(port, [*self.tokenizer_args, *proxy_args], f"{name}.log",
@@ -209,17 +210,16 @@ class Fleet:
                                    f"{self.log_dir / 'proxy.log'}")
             time.sleep(0.5)
 
+    def stop_extra_proxies(self) -> None:
+        """Stop the proxies ``extra_proxy`` started (the fleet's own stays): each probes every
+        instance, and vLLM renders its whole /metrics page for each probe."""
+        _stop_proxies(self.extra_proxies)
+        self.extra_proxies = []
+
     def stop(self) -> None:
         """The proxies, then the instances; each group signalled at once and then waited for,
         so that shutdowns overlap (a fleet's teardown took a few seconds per process)."""
-        proxies = [p for p in (self.proxy, *self.extra_proxies) if p and p.poll() is None]
-        for proxy in proxies:
-            proxy.terminate()
-        for proxy in proxies:
-            try:
-                proxy.wait(10)
-            except subprocess.TimeoutExpired:
-                proxy.kill()
+        _stop_proxies([self.proxy, *self.extra_proxies])
         stop_all(self.servers)
 
     def __enter__(self) -> Fleet:
@@ -227,3 +227,15 @@ class Fleet:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _stop_proxies(procs: Sequence[subprocess.Popen[bytes] | None]) -> None:
+    """SIGTERM every live one at once, then wait for each (SIGKILL after 10 s)."""
+    live = [p for p in procs if p is not None and p.poll() is None]
+    for proxy in live:
+        proxy.terminate()
+    for proxy in live:
+        try:
+            proxy.wait(10)
+        except subprocess.TimeoutExpired:
+            proxy.kill()
