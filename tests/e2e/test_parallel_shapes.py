@@ -1,6 +1,7 @@
 """Prefill and decode sharded differently, on real vLLM: TP1 -> TP2, TP2 -> TP1, TP1 -> decode
-PP2, prefill PP2 -> TP1, each token-identical to the instance's own answer, and each pull counted
-on decode for every rank (KV moved; a silent recompute would count none).
+PP2, prefill PP2 -> TP1, each token-identical to a plain instance's answer (the session's, no
+DisaggConnector), and each pull counted on decode for every rank (KV moved; a silent recompute
+would count none).
 
 One fleet for all four pairs: three ``kv_both`` instances (TP1, TP2, PP2; cores bound per rank,
 ``--distributed-executor-backend mp``), each the prefill of one pair and the decode of another.
@@ -72,12 +73,13 @@ def disaggregated(prefill: str, decode: str, prompt: list[int]) -> list[int]:
 
 
 @pytest.mark.timeout(1800)
-def test_every_pair_of_shapes_is_token_identical_and_pulls_from_every_rank(instances):
+def test_every_pair_of_shapes_is_token_identical_and_pulls_from_every_rank(instances, plain):
+    """The answer is the session's plain instance's (TP1, no DisaggConnector); each shape
+    gives it on its own too, so a difference below is the handoff's."""
     urls = {name: server.base_url for name, server in instances.items()}
     prompts = [prompt_ids(n, seed=n) for n in PROMPTS]
-    expected = [complete(urls["tp1"], p)["choices"][0]["token_ids"] for p in prompts]
-    # The shapes agree among themselves on their own (the reference is a plain TP1 instance).
-    for name in ("tp2", "pp2"):
+    expected = [complete(plain, p)["choices"][0]["token_ids"] for p in prompts]
+    for name in SHAPES:
         assert [complete(urls[name], p)["choices"][0]["token_ids"] for p in prompts] == expected
 
     def run(pair: tuple[str, str]) -> list[list[int]]:
