@@ -28,9 +28,9 @@ from typing import Any
 
 import aiohttp
 
+from kvdisagg.bench.attainment import duration, judge, percentiles
 from kvdisagg.bench.client import ClientConfig, send
 from kvdisagg.bench.records import RequestRecord, Slo
-from kvdisagg.bench.stats import duration, judge, percentiles
 from kvdisagg.bench.workload import RequestSpec
 from kvdisagg.local.fleet import Fleet, kv_transfer_args
 from kvdisagg.local.servers import VllmServer

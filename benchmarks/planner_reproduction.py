@@ -22,7 +22,7 @@ from kvdisagg.planner.goodput import SimEnv, SloTarget, goodput, simulate
 from kvdisagg.planner.placement import Colocated, Disaggregated
 from kvdisagg.planner.profile import load_profile
 from kvdisagg.planner.search import search_plan
-from kvdisagg.planner.workload import draw, load_lengths
+from kvdisagg.planner.trace import draw, load_lengths
 
 ROWS = [
     # model, SLO, DistServe placement, its N, vLLM placement, its N, published DistServe, vLLM

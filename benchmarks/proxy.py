@@ -12,6 +12,14 @@ that survives a shared 2-core machine. vllm-router runs as the peer document say
     .venv/bin/python benchmarks/proxy.py --router /work/venvs/router/bin/vllm-router \\
         --requests 3000 --concurrency 32 128 --out out/proxy-bench
 
+Targets: ``direct`` (decode itself), ``kvdisagg`` (``--always-disaggregate``: two legs per
+request, as vllm-router), ``kvdisagg-short`` (the proxy's default decision: the 64-word prompt
+is short, so decode serves it alone, one leg: "a short prompt through the proxy" against the
+same prompt sent to decode directly), ``vllm-router``. ``--baseline DIR`` also runs each
+kvdisagg target from another checkout's ``src/`` (``DIR``, e.g. a ``git worktree`` of an older
+commit), named ``...@base``, interleaved with the rest in every cell: before and after a change
+on the same machine at the same time.
+
 The load generator is the proxy's own lean HTTP client (``proxy.upstream.Pool``) on uvloop in
 this process, so the client costs as little CPU as the machine allows.
 """
@@ -70,11 +78,12 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
-def spawn(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+def spawn(cmd: list[str], log: Path,
+          env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     with open(log, "wb") as f:
         # cwd: the repository root, where ``-m tests.support.fake_vllm`` is found
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                cwd=Path(__file__).resolve().parents[1])
+                                cwd=Path(__file__).resolve().parents[1], env=env)
 
 
 def wait_http(url: str, timeout_s: float = 60.0) -> None:
@@ -205,6 +214,29 @@ def table(cells: list[Cell]) -> str:
     return "\n".join(rows)
 
 
+def ratios(cells: list[Cell]) -> str:
+    """Per cell, each proxy's CPU per request over vllm-router's, and each target's p50 over
+    direct's (within one cell: the only comparison a shared machine allows)."""
+    by = {(c.workload, c.concurrency, c.target): c for c in cells}
+    proxies = list(dict.fromkeys(c.target for c in cells if c.target != "direct"))
+    ours = [n for n in proxies if n != "vllm-router"]
+    head = [f"{n} p50/direct" for n in proxies] + [f"{n} CPU/router" for n in ours]
+    rows = ["| workload | conc | " + " | ".join(head) + " |",
+            "|---|---:|" + "---:|" * len(head)]
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return f"{a / b:.2f}" if a and b else "-"
+
+    for w, conc in dict.fromkeys((c.workload, c.concurrency) for c in cells):
+        d, r = by.get((w, conc, "direct")), by.get((w, conc, "vllm-router"))
+        got = {n: by.get((w, conc, n)) for n in proxies}
+        vals = [ratio(c.p50_ms if c else None, d.p50_ms if d else None) for c in got.values()]
+        vals += [ratio(c.cpu_us_per_req if (c := got[n]) else None,
+                       r.cpu_us_per_req if r else None) for n in ours]
+        rows.append(f"| {w} | {conc} | " + " | ".join(vals) + " |")
+    return "\n".join(rows)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -215,7 +247,10 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[32, 128])
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--targets", nargs="+", default=["direct", "kvdisagg", "vllm-router"],
-                   choices=["direct", "kvdisagg", "vllm-router"])
+                   choices=["direct", "kvdisagg", "kvdisagg-short", "vllm-router"])
+    p.add_argument("--baseline", metavar="DIR",
+                   help="also run the kvdisagg targets from DIR/src (another checkout), as "
+                   "'<target>@base'")
     p.add_argument("--tokens", type=int, default=16, help="SSE events per streamed answer")
     p.add_argument("--token-delay-ms", type=float, default=0.0,
                    help="decode backend pause between events; >0 keeps events apart (as a "
@@ -236,7 +271,7 @@ def main() -> int:
 
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        ports = {k: free_port() for k in ("prefill", "decode", "kvdisagg", "vllm-router", "prom")}
+        ports = {k: free_port() for k in ("prefill", "decode", "vllm-router", "prom")}
         for role in ("prefill", "decode"):
             procs.append(spawn([sys.executable, "-m", "tests.support.fake_vllm", "--port",
                                 str(ports[role]), "--tokens", str(args.tokens), "--name", role,
@@ -248,15 +283,22 @@ def main() -> int:
         targets: list[Target] = []
         if "direct" in args.targets:
             targets.append(Target("direct", dec, None))
-        if "kvdisagg" in args.targets:
-            proc = spawn([sys.executable, "-m", "kvdisagg.cli", "proxy", "--prefill", pre,
-                          "--decode", dec, "--port", str(ports["kvdisagg"]),
-                          "--always-disaggregate"],  # like vllm-router: every request split
-                         out / "kvdisagg-proxy.log")
-            procs.append(proc)
-            url = f"http://127.0.0.1:{ports['kvdisagg']}"
-            wait_http(url + "/readiness")
-            targets.append(Target("kvdisagg", url, proc.pid))
+        trees = {"": None} | ({"@base": Path(args.baseline).resolve() / "src"}
+                              if args.baseline else {})
+        for name, flags in (("kvdisagg", ["--always-disaggregate"]),  # like vllm-router
+                            ("kvdisagg-short", [])):  # the default decision: decode alone
+            if name not in args.targets:
+                continue
+            for suffix, src in trees.items():
+                port = free_port()
+                env = None if src is None else {**os.environ, "PYTHONPATH": str(src)}
+                proc = spawn([sys.executable, "-m", "kvdisagg.cli", "proxy", "--prefill", pre,
+                              "--decode", dec, "--port", str(port), *flags],
+                             out / f"{name}{suffix}-proxy.log", env)
+                procs.append(proc)
+                url = f"http://127.0.0.1:{port}"
+                wait_http(url + "/readiness")
+                targets.append(Target(name + suffix, url, proc.pid))
         if "vllm-router" in args.targets:
             proc = spawn([args.router, "--vllm-pd-disaggregation", "--policy", "round_robin",
                           "--prefill", pre, "--decode", dec, "--host", "127.0.0.1",
@@ -269,7 +311,7 @@ def main() -> int:
             targets.append(Target("vllm-router", url, proc.pid))
 
         if args.py_spy:
-            t = next(t for t in targets if t.name == "kvdisagg")
+            t = next(t for t in targets if t.name.startswith("kvdisagg"))
             assert t.pid is not None
             for workload in args.workloads:
                 conc = args.concurrency[0]
@@ -298,10 +340,12 @@ def main() -> int:
         text = table(cells)
         (out / "table.md").write_text(text + "\n")
         print(text)
-        for name in ("kvdisagg", "vllm-router"):
+        for name in dict.fromkeys(t.name for t in targets if t.pid):
             cpu = [c.cpu_us_per_req for c in cells if c.target == name and c.cpu_us_per_req]
             if cpu:
                 print(f"{name}: median CPU {statistics.median(cpu):.0f} µs/request")
+        (out / "ratios.md").write_text(ratios(cells) + "\n")
+        print(ratios(cells))
     finally:
         for proc in procs:
             proc.terminate()

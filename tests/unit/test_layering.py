@@ -171,6 +171,8 @@ HTTP_CONTRACT = ("kvdisagg.connector.protocol.params", "kvdisagg.connector.proto
                                 "kvdisagg.connector.connector", "kvdisagg.connector.scheduler",
                                 "kvdisagg.connector.worker", "kvdisagg.connector.protocol.frames",
                                 "kvdisagg.connector.protocol.sockets")),
+    # the dataset format (bench's), which the planner's traces read too: never the planner back
+    ("kvdisagg.bench.workload", ("kvdisagg.planner",)),
     # doctor runs before vLLM is started: the connector's config and protocol, not its sides
     ("kvdisagg.cli.doctor", ("kvdisagg.proxy", *CONNECTOR_SIDES)),
     # the proxy's vocabulary and config sit below everything else in the proxy

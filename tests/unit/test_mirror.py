@@ -14,7 +14,8 @@ NOT_ONE_MODULE = {
     "test_mirror.py": "this layout",
     "test_layering.py": "the package's import graph",
     "test_lint.py": "ruff and mypy over src/ and tests/",
-    "test_names.py": "one name, one concept: class and function names unique across src/",
+    "test_names.py": "one name, one concept: class, function and module names unique across "
+                     "src/",
     "test_examples.py": "examples/ (manifests, scripts, configs)",
     "test_monitoring.py": "examples/kubernetes/monitoring/ (alert rules, their promtool tests, "
                           "the dashboard)",

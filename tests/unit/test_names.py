@@ -1,5 +1,7 @@
 """One name, one concept: no two modules of src/ define a class (of any name) or a public
-function of the same name, so a reader who meets ``Instance`` or ``plan()`` knows which it is.
+function of the same name, so a reader who meets ``Instance`` or ``plan()`` knows which it is;
+and no two modules (or packages) of src/ bear one name, so ``stats.py`` or ``workload.py`` does
+not name two things either.
 
 Read from the source (``ast``): the definitions at a module's top level, and inside its
 top-level ``if``/``try`` blocks. Names that must be shared are allowed below, each with why.
@@ -54,6 +56,36 @@ def clashes(sources: dict[str, str]) -> dict[str, list[str]]:
             if len(mods) > 1 and not set(mods) <= ALLOWED.get(name, set())}
 
 
+SHARED_BASENAMES: dict[str, str | set[str]] = {
+    # One concept in every package that has one: any package may hold its own.
+    "cli": "a package's command line (kvdisagg.cli dispatches; proxy/cli.py and bench/cli.py are "
+           "the flags of `kvdisagg proxy` and `kvdisagg bench`)",
+    "config": "a package's config struct, parsed and validated once (STYLE.md 7)",
+}
+"""Module basenames any package may use, and why. A name shared by exactly named modules goes
+in ``SHARED_BY`` instead."""
+
+SHARED_BY: dict[str, set[str]] = {
+    # The fleet of vLLM instances: local/fleet.py starts one on this machine (demo, tests,
+    # benchmarks); proxy/fleet/ is the proxy's view of one (membership, health, upstream).
+    "fleet": {"kvdisagg.local.fleet", "kvdisagg.proxy.fleet"},
+}
+
+
+def basename_clashes(modules: set[str]) -> dict[str, list[str]]:
+    """basename -> the modules (dotted names; a package by its own name) bearing it, for the
+    names more than one module bears and neither table allows."""
+    by_name: dict[str, list[str]] = {}
+    for module in sorted(modules):
+        package, _, name = module.rpartition(".")
+        if package.rpartition(".")[2] == name:
+            continue  # a package's own module (connector/connector.py): the package's concept
+        by_name.setdefault(name, []).append(module)
+    return {name: mods for name, mods in by_name.items()
+            if len(mods) > 1 and name not in SHARED_BASENAMES
+            and not set(mods) <= SHARED_BY.get(name, set())}
+
+
 def src_modules() -> dict[str, str]:
     out = {}
     for f in (SRC / "kvdisagg").rglob("*.py"):
@@ -65,6 +97,28 @@ def src_modules() -> dict[str, str]:
 def test_no_two_modules_define_one_name() -> None:
     found = clashes(src_modules())
     assert found == {}, f"rename one of each (or allow it in ALLOWED, saying why): {found}"
+
+
+def test_no_two_modules_bear_one_name() -> None:
+    found = basename_clashes(set(src_modules()))
+    assert found == {}, ("name each module for its own concept (or allow the name in "
+                         f"SHARED_BASENAMES or SHARED_BY, saying why): {found}")
+    for name, mods in SHARED_BY.items():
+        assert mods <= set(src_modules()), f"{name}: {sorted(mods)} changed: update SHARED_BY"
+
+
+def test_the_basename_check_can_fail() -> None:
+    modules = {"kvdisagg.bench.stats", "kvdisagg.connector.stats", "kvdisagg.bench.workload",
+               "kvdisagg.planner.workload", "kvdisagg.planner.trace", "kvdisagg.proxy.config",
+               "kvdisagg.connector.config", "kvdisagg.cli", "kvdisagg.bench.cli",
+               "kvdisagg.local.fleet", "kvdisagg.proxy.fleet", "kvdisagg.bench.fleet",
+               "kvdisagg.connector", "kvdisagg.connector.connector"}
+    assert basename_clashes(modules) == {
+        "fleet": ["kvdisagg.bench.fleet", "kvdisagg.local.fleet", "kvdisagg.proxy.fleet"],
+        "stats": ["kvdisagg.bench.stats", "kvdisagg.connector.stats"],
+        "workload": ["kvdisagg.bench.workload", "kvdisagg.planner.workload"]}
+    assert basename_clashes(modules - {"kvdisagg.bench.stats", "kvdisagg.planner.workload",
+                                       "kvdisagg.bench.fleet"}) == {}
 
 
 def test_the_name_check_can_fail() -> None:

@@ -17,9 +17,9 @@ from typing import NamedTuple
 import aiohttp
 
 from kvdisagg.bench import scrape
+from kvdisagg.bench.attainment import judge, met_per_event, summarize, window_goodput
 from kvdisagg.bench.client import ClientConfig, send
 from kvdisagg.bench.records import ProxyView, RequestRecord, RunSummary, Slo
-from kvdisagg.bench.stats import judge, met_per_event, summarize, window_goodput
 from kvdisagg.bench.workload import RequestSpec
 from kvdisagg.errors import EndpointError
 

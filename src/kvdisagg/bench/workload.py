@@ -5,6 +5,9 @@ Runs at different rates reuse the same random draws scaled by the rate (common r
 numbers), so an attainment-vs-rate curve is not jagged by resampling; only the prompt *content*
 changes from run to run (``salt``), so an instance's prefix cache never turns a later run into
 cache hits. Prompts are token ids by default: exact lengths, no tokenizer needed on the client.
+
+The dataset file format is this module's (``parse_dataset``): the planner's traces
+(planner/trace.py) read the same files through it. Imports nothing but the standard library.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import math
 import random
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 Arrival = Literal["poisson", "constant"]
 
@@ -93,25 +96,43 @@ class LengthDist:
 
 
 def load_dataset(path: str | Path) -> list[RequestLengths]:
-    """Rows of a ``.csv`` (columns ``prompt_len,output_len[,timestamp]``) or ``.jsonl`` file
-    (keys ``prompt_len`` or ``prompt`` (text or token ids), ``output_len``, ``timestamp``)."""
+    """The rows of a dataset file (``parse_dataset``); ValueError naming the file and line."""
     path = Path(path)
-    rows: list[RequestLengths] = []
     try:
         text = path.read_text()
     except OSError as exc:
         raise ValueError(f"cannot read dataset {path}: {exc}") from None
-    if path.suffix == ".csv":
+    return parse_dataset(text, path.suffix, str(path))
+
+
+_ALIASES = {"prompt_len": "prompt_tokens", "output_len": "output_tokens"}
+
+
+def _length(row: dict[str, Any], key: str) -> int:
+    """``row[key]``, or its alias (``prompt_tokens``/``output_tokens``), as an int."""
+    return int(row[key] if key in row else row[_ALIASES[key]])
+
+
+def parse_dataset(text: str, suffix: str, name: str) -> list[RequestLengths]:
+    """The one dataset format, for ``kvdisagg bench`` and ``kvdisagg plan``/``simulate`` alike:
+    rows of CSV (``suffix`` ``.csv``: columns ``prompt_len,output_len[,timestamp]``) or JSON lines
+    (``.jsonl``/``.json``: keys ``prompt_len`` or ``prompt`` (text or token ids),
+    ``output_len``, ``timestamp``). ``prompt_tokens``/``output_tokens`` are accepted for
+    ``prompt_len``/``output_len``; other columns or keys (a bench records file's) are ignored.
+    ``name`` is the file, for messages. Stdlib only (bench has no numpy, the planner reads it
+    too); ValueError for a row it cannot read."""
+    rows: list[RequestLengths] = []
+    if suffix == ".csv":
         reader = csv.DictReader(text.splitlines())
         for i, row in enumerate(reader, 2):
             try:
                 ts = row.get("timestamp")
-                rows.append(RequestLengths(int(row["prompt_len"]), int(row["output_len"]),
-                                    timestamp=float(ts) if ts not in (None, "") else None))
+                rows.append(RequestLengths(_length(row, "prompt_len"), _length(row, "output_len"),
+                                           timestamp=float(ts) if ts not in (None, "") else None))
             except (KeyError, TypeError, ValueError) as exc:
-                raise ValueError(f"{path}:{i}: need integer prompt_len and output_len "
+                raise ValueError(f"{name}:{i}: need integer prompt_len and output_len "
                                  f"columns ({exc})") from None
-    elif path.suffix in (".jsonl", ".json"):
+    elif suffix in (".jsonl", ".json"):
         for i, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
@@ -121,21 +142,25 @@ def load_dataset(path: str | Path) -> list[RequestLengths]:
                 if prompt is not None and not (isinstance(prompt, str) or (
                         isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))):
                     raise ValueError("prompt must be text or a list of token ids")
-                plen = int(row["prompt_len"]) if "prompt_len" in row else (
-                    len(prompt) if isinstance(prompt, list) else len(str(prompt).split()))
+                if "prompt_len" in row or "prompt_tokens" in row:
+                    plen = _length(row, "prompt_len")
+                elif prompt is None:
+                    raise KeyError("prompt_len")
+                else:
+                    plen = len(prompt) if isinstance(prompt, list) else len(prompt.split())
                 ts = row.get("timestamp")
-                rows.append(RequestLengths(plen, int(row["output_len"]), prompt,
-                                    float(ts) if ts is not None else None))
-            except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
-                raise ValueError(f"{path}:{i}: need output_len and prompt_len or prompt "
+                rows.append(RequestLengths(plen, _length(row, "output_len"), prompt,
+                                           float(ts) if ts is not None else None))
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise ValueError(f"{name}:{i}: need output_len and prompt_len or prompt "
                                  f"({exc})") from None
     else:
-        raise ValueError(f"dataset {path}: use a .csv or .jsonl file")
+        raise ValueError(f"dataset {name}: use a .csv or .jsonl file")
     if not rows:
-        raise ValueError(f"dataset {path} has no rows")
+        raise ValueError(f"dataset {name} has no rows")
     for r in rows:
         if r.prompt_len < 1 or r.output_len < 1:
-            raise ValueError(f"dataset {path}: lengths must be >= 1, got {r[:2]}")
+            raise ValueError(f"dataset {name}: lengths must be >= 1, got {r[:2]}")
     return rows
 
 

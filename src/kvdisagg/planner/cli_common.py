@@ -78,7 +78,7 @@ def resolve_profile(spec: str, model: str | None):  # -> Profile
 
 def load_common(args: argparse.Namespace):  # -> (Profile, TraceSeed, SimEnv, SloTarget)
     from kvdisagg.planner.goodput import SimEnv, SloTarget
-    from kvdisagg.planner.workload import draw, load_lengths
+    from kvdisagg.planner.trace import draw, load_lengths
 
     if args.ttft_slo <= 0 or args.tpot_slo <= 0:
         raise ConfigError("--ttft-slo and --tpot-slo must be > 0 seconds")

@@ -32,7 +32,7 @@ from kvdisagg.planner.simulator import (
     simulate_colocated,
     simulate_disaggregated,
 )
-from kvdisagg.planner.workload import Requests, TraceSeed
+from kvdisagg.planner.trace import Requests, TraceSeed
 
 Definition = Literal["distserve", "client"]
 

@@ -32,7 +32,7 @@ import msgspec
 from kvdisagg.errors import ConfigError
 from kvdisagg.planner.goodput import SimEnv, SloTarget, goodput, phase_goodput
 from kvdisagg.planner.placement import Colocated, Disaggregated, Placement
-from kvdisagg.planner.workload import TraceSeed
+from kvdisagg.planner.trace import TraceSeed
 
 
 class Candidate(msgspec.Struct, frozen=True, kw_only=True):

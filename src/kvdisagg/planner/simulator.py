@@ -35,7 +35,7 @@ from typing import NamedTuple, cast
 import numpy as np
 
 from kvdisagg.planner.latency import LatencyModel
-from kvdisagg.planner.workload import Requests
+from kvdisagg.planner.trace import Requests
 
 _UNBOUNDED = 1 << 62
 

@@ -12,7 +12,7 @@ from kvdisagg.planner.goodput import SimEnv, SloTarget, goodput, max_rate, tight
 from kvdisagg.planner.placement import Colocated, Disaggregated
 from kvdisagg.planner.profile import ParallelProfile, Profile, save_profile
 from kvdisagg.planner.search import search_plan
-from kvdisagg.planner.workload import draw, load_lengths
+from kvdisagg.planner.trace import draw, load_lengths
 
 
 def _profile():

@@ -9,7 +9,7 @@ import pytest
 from kvdisagg.planner.latency import LatencyModel
 from kvdisagg.planner.profile import ParallelProfile
 from kvdisagg.planner.simulator import SimInstance, simulate_colocated, simulate_disaggregated
-from kvdisagg.planner.workload import Requests, draw, load_lengths
+from kvdisagg.planner.trace import Requests, draw, load_lengths
 
 
 def _model(pp=1, pre=(10.0, 0.1, 0.0), dec=(5.0, 0.001, 0.5), it=0.0):

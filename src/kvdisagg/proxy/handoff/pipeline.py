@@ -29,7 +29,8 @@ from kvdisagg.proxy.handoff.exchange import Exchange
 from kvdisagg.proxy.handoff.first_token import FirstToken, Led
 from kvdisagg.proxy.handoff.prefill import Handoff, PrefillFailed, PrefillStage
 from kvdisagg.proxy.routing.decide import DecodeChoice, Route, RoutePlan
-from kvdisagg.proxy.routing.prefix_index import BlockExtra, Lookup
+from kvdisagg.proxy.routing.prefix_index import Lookup
+from kvdisagg.proxy.routing.prompt_keys import BlockExtra
 from kvdisagg.proxy.types import Side
 
 log = logging.getLogger("kvdisagg.proxy")

@@ -27,6 +27,7 @@ from kvdisagg.connector.protocol.params import (
 from kvdisagg.errors import BodyError
 from kvdisagg.proxy.routing import contract
 from kvdisagg.proxy.routing.policies import RouteRequest
+from kvdisagg.proxy.routing.prompt_keys import prefix_key
 from kvdisagg.tracing import TRACE_PARAMS_KEY
 
 _decode = msgspec.json.Decoder().decode
@@ -121,12 +122,12 @@ def parse(raw: bytes, chat: bool, prefix_chars: int) -> ClientBody:
     tokens = n_ids if n_ids is not None else max(1, len(text) // 4)
     mt = fields.get(contract.limit_key(fields, chat))
     max_tokens = mt if isinstance(mt, int) and mt > 0 else 16
-    key = text[:prefix_chars].encode("utf-8", "surrogatepass")
     prompt = fields.get("prompt")
     prompts = (prompt if not chat and isinstance(prompt, list) and len(prompt) > 1
                and all(isinstance(p, (str, list)) for p in prompt) else None)
-    return ClientBody(raw, fields, chat, stream, RouteRequest(key, tokens, max_tokens), slo,
-                      prompts, contract.paths(fields, chat, stream, _sample_count(fields)))
+    route = RouteRequest(prefix_key(text, prefix_chars), tokens, max_tokens)
+    return ClientBody(raw, fields, chat, stream, route, slo, prompts,
+                      contract.paths(fields, chat, stream, _sample_count(fields)))
 
 
 def _sample_count(fields: dict[str, Any]) -> int:

@@ -39,7 +39,8 @@ from kvdisagg.proxy.routing.kv_events import (
     StreamState,
     source_from_publisher,
 )
-from kvdisagg.proxy.routing.prefix_index import NO_EXTRA, BlockExtra, Lookup, Pending, PrefixIndex
+from kvdisagg.proxy.routing.prefix_index import Lookup, Pending, PrefixIndex
+from kvdisagg.proxy.routing.prompt_keys import NO_EXTRA, BlockExtra
 
 __all__ = ["CacheIndex", "IndexState", "InstanceStatus"]
 

@@ -54,7 +54,8 @@ from kvdisagg.proxy.config import ProxyConfig
 from kvdisagg.proxy.fleet.registry import Instance, Registry, accepts, pairable
 from kvdisagg.proxy.routing.body import ClientBody
 from kvdisagg.proxy.routing.policies import Policy, RouteRequest, Selection, SloAware, Verdict
-from kvdisagg.proxy.routing.prefix_index import BlockExtra, Lookup, Pending
+from kvdisagg.proxy.routing.prefix_index import Lookup, Pending
+from kvdisagg.proxy.routing.prompt_keys import BlockExtra
 from kvdisagg.proxy.types import Admission, Side
 
 

@@ -10,7 +10,8 @@ of each side in it (``make_policy``), so what the caches hold is weighed in one 
 
 Policies are generic over the instance type (``InstanceView`` is all they read): the registry's
 ``Instance`` comes back as an ``Instance`` (``Selection[Instance]``), a test's fake as the fake.
-Imports nothing of the proxy but its config and vocabulary.
+Imports nothing of the proxy but its config, its vocabulary and how prompts are hashed
+(prompt_keys.py).
 
 Each policy's doc says: why choose it / what it does / inputs / configuration.
 """
@@ -18,13 +19,13 @@ Each policy's doc says: why choose it / what it does / inputs / configuration.
 from __future__ import annotations
 
 import enum
-import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import ClassVar, Generic, NamedTuple, Protocol, TypeVar
 
 from kvdisagg.proxy.config import PolicyConfig, SloConfig
+from kvdisagg.proxy.routing.prompt_keys import rendezvous_weight
 from kvdisagg.proxy.types import PolicyName, Side
 
 __all__ = ["RouteRequest", "InstanceView", "Verdict", "Selection", "Policy",
@@ -38,7 +39,7 @@ NO_HITS: Mapping[str, int] = MappingProxyType({})
 class RouteRequest:
     """What a policy may know about a request; built once per request by ``body.py``."""
 
-    prefix_key: bytes  # the first ``prefix_block_chars`` of the prompt text
+    prefix_key: bytes  # the placement key: the prompt text's first ``prefix_block_chars``
     prompt_tokens: int  # an estimate (characters / 4, or the token ids' count)
     max_tokens: int
     hits: Mapping[str, int] = field(default_factory=lambda: NO_HITS)
@@ -151,17 +152,15 @@ class LeastLoaded:
         return Selection(best, Verdict.OK)
 
 
-def _weight(key: bytes, url: str) -> int:
-    return int.from_bytes(hashlib.blake2b(key + url.encode(), digest_size=8).digest(), "big")
-
-
 class PrefixAware:
     """**Why:** shared system prompts, multi-turn chat, few-shot templates: a prefill instance
     that already holds the prefix in vLLM's prefix cache skips recomputing it.
     **What:** rendezvous-hashes the prompt's first ``prefix_block_chars`` characters onto the
-    candidates (adding or removing an instance moves only its own keys), and stays there while
-    that instance's in-flight count is within ``prefix_load_slack`` of the least loaded
-    candidate; otherwise it takes the least loaded one (balance beats affinity under skew).
+    candidates (the placement key, prompt_keys.py: no tokenizer or KV events needed, the same
+    home from every proxy replica; adding or removing an instance moves only its own keys),
+    and stays there while that instance's in-flight count is within ``prefix_load_slack`` of
+    the least loaded candidate; otherwise it takes the least loaded one (balance beats
+    affinity under skew).
     **Inputs:** the prompt prefix, in-flight legs. **Configuration:** ``policy.prefix_block_chars``,
     ``policy.prefix_load_slack``."""
 
@@ -176,7 +175,7 @@ class PrefixAware:
                side: Side) -> Selection[Inst]:
         if not candidates:
             return _none()
-        home = max(candidates, key=lambda c: _weight(req.prefix_key, c.url))
+        home = max(candidates, key=lambda c: rendezvous_weight(req.prefix_key, c.url))
         least = min(c.in_flight(side) for c in candidates)
         if home.in_flight(side) <= least + self.slack:
             return Selection(home, Verdict.OK)

@@ -3,23 +3,13 @@ KV cache events (kv_events.py), queried per request with the prompt's token ids.
 
 Pure data structure: no I/O, no asyncio; the proxy's event loop is the only caller.
 
-**Keys: our own chained hash of each block's token ids, not vLLM's block hash.** A block's key is
-a keyed 64-bit ``blake2b(parent key, the block's token ids, the block's extra keys)``, so a key
-names a whole prefix, as vLLM's hash does. Why not reproduce vLLM's hash: it depends on
-per-instance settings the proxy cannot see or cannot reproduce
-(``--prefix-caching-hash-algo``: sha256, sha256_cbor,
-xxhash, xxhash_cbor; the seed: fixed for sha256, *random per process* for the xxhash variants
-unless ``PYTHONHASHSEED`` is set; ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` truncating to 64
-bits), and a fleet may mix them. Events carry each block's ``token_ids`` and the vLLM hash of
-its parent, so the index keeps, per instance, a map vLLM hash -> our key and chains through it;
-our keys then agree across instances whatever their hash settings, and nothing is guessed.
-
-Extra keys: vLLM mixes the LoRA adapter, ``cache_salt``, multimodal items and prompt embeddings
-into its hashes and publishes them per block, untagged (``extra_keys``: LoRA name, then
-``(mm identifier, offset)`` pairs, then the salt on the first block only, then embedding
-digests). They go into our key as published, so a salted or LoRA block never matches a plain
-request; a request's own extras (``BlockExtra``: LoRA name, cache salt) are laid out the same
-way. Multimodal and embedding blocks are indexed but a text request never matches them.
+**Keys: our own chained hash of each block's token ids, not vLLM's block hash**
+(prompt_keys.py, which says why): the index keeps, per instance, a map vLLM hash -> our key,
+chaining through the vLLM hash of each stored block's parent, so our keys agree across instances
+whatever their hash settings, and nothing is guessed. A block's extra keys (LoRA, cache salt,
+multimodal items, embeddings) go into its key as published, so a salted or LoRA block never
+matches a plain request. Multimodal and embedding blocks are indexed but a text request never
+matches them.
 
 What an instance holds: vLLM may cache the same content twice (two requests computing one
 prefix at once: ``BlockHashToBlockMap`` keeps both copies) and emits one BlockStored per copy
@@ -45,15 +35,10 @@ are a prefix-cache hit without a load.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, NewType
-
-import msgspec
+from typing import NamedTuple
 
 from kvdisagg.proxy.routing.kv_events import (
     AllBlocksCleared,
@@ -63,83 +48,23 @@ from kvdisagg.proxy.routing.kv_events import (
     Hash,
     IndexCounters,
 )
+from kvdisagg.proxy.routing.prompt_keys import (
+    NO_EXTRA,
+    ROOT,
+    BlockExtra,
+    BlockKey,
+    block_keys,
+    chain,
+    encode_extra,
+    token_bytes,
+)
 
-__all__ = ["BlockExtra", "BlockKey", "IndexedInstance", "Lookup", "Pending", "PrefixIndex",
-           "block_keys", "vllm_hit_tokens"]
+__all__ = ["IndexedInstance", "Lookup", "Pending", "PrefixIndex", "vllm_hit_tokens"]
 
 log = logging.getLogger("kvdisagg.proxy.routing.prefix_index")
 
-BlockKey = NewType("BlockKey", int)
-"""64 bits naming one block and every token before it (a chained hash). Keyed with a secret
-drawn per process, so no client can craft token sequences whose keys collide with another's."""
-
-ROOT = BlockKey(0)
 DEVICE_MEDIA = (None, "GPU")
 """``medium`` of vLLM's own block pool (MEDIUM_GPU, also on the CPU platform)."""
-
-_encode = msgspec.msgpack.Encoder().encode
-_HASH = hashlib.blake2b(digest_size=8, key=os.urandom(16))
-
-
-def _token_bytes(token_ids: Sequence[int]) -> bytes:
-    """Token ids as uint32 (4 bytes each: every vocabulary fits); ValueError otherwise."""
-    try:
-        return array("I", token_ids).tobytes()
-    except (OverflowError, TypeError) as exc:
-        raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
-
-
-def _chain(parent: int, block: bytes, extra: bytes) -> BlockKey:
-    """The key of a block: its parent's key, its tokens (uint32 bytes), its extra keys."""
-    h = _HASH.copy()
-    h.update(parent.to_bytes(8, "little"))
-    h.update(block)
-    if extra:
-        h.update(len(extra).to_bytes(4, "little"))
-        h.update(extra)
-    return BlockKey(int.from_bytes(h.digest(), "little"))
-
-
-class BlockExtra(NamedTuple):
-    """A request's own extra keys, as vLLM publishes them for its blocks.
-
-    ``lora_name``: the adapter's name when the request runs on a LoRA (the ``model`` it names
-    is a served adapter); ``cache_salt``: the request's ``cache_salt`` field.
-    """
-
-    lora_name: str | None = None
-    cache_salt: str | None = None
-
-    def for_block(self, index: int) -> bytes:
-        """The encoded extra keys of block ``index`` (b"" when it has none)."""
-        keys: list[Any] = []
-        if self.lora_name is not None:
-            keys.append(self.lora_name)
-        if index == 0 and self.cache_salt:
-            keys.append(self.cache_salt)
-        return _encode(keys) if keys else b""
-
-
-NO_EXTRA = BlockExtra()
-
-
-def block_keys(token_ids: Sequence[int], block_size: int, extra: BlockExtra = NO_EXTRA,
-               limit: int | None = None) -> list[BlockKey]:
-    """The keys of the full blocks of ``token_ids`` (at most ``limit``), first block first.
-
-    Raises ValueError for a token id outside [0, 2**32).
-    """
-    n = len(token_ids) // block_size
-    if limit is not None:
-        n = min(n, limit)
-    data = _token_bytes(token_ids[:n * block_size])
-    step = 4 * block_size
-    keys: list[BlockKey] = []
-    parent = ROOT
-    for i in range(n):
-        parent = _chain(parent, data[i * step:(i + 1) * step], extra.for_block(i))
-        keys.append(parent)
-    return keys
 
 
 def vllm_hit_tokens(held_blocks: int, prompt_len: int, block_size: int) -> int:
@@ -313,16 +238,16 @@ class PrefixIndex:
         fallback: bytes = b""
         if ev.extra_keys is None and ev.lora_name is not None:
             # Producers that predate per-block extra keys: the adapter alone, as in extra_keys.
-            fallback = _encode([ev.lora_name])
-        data = _token_bytes(ev.token_ids)  # validated < 2**32 when decoded
+            fallback = encode_extra([ev.lora_name])
+        data = token_bytes(ev.token_ids)  # validated < 2**32 when decoded
         step = 4 * ev.block_size
         for i, h in enumerate(ev.block_hashes):
             if ev.extra_keys is not None:
                 extra_i = ev.extra_keys[i]
-                extra = _encode(extra_i) if extra_i else b""
+                extra = encode_extra(extra_i)
             else:
                 extra = fallback
-            key = _chain(parent, data[i * step:(i + 1) * step], extra)
+            key = chain(parent, data[i * step:(i + 1) * step], extra)
             entry = inst.entries.get(h)
             if entry is None:
                 inst.entries[h] = _Block(key)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvdisagg.proxy.routing.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvdisagg.proxy.routing.prefix_index import BlockExtra, PrefixIndex, block_keys, vllm_hit_tokens
+from kvdisagg.proxy.routing.prefix_index import PrefixIndex, vllm_hit_tokens
+from kvdisagg.proxy.routing.prompt_keys import BlockExtra
 
 BS = 4
 A, B = "http://a:8000", "http://b:8000"
@@ -155,19 +156,12 @@ def test_the_bound_drops_a_runaway_view() -> None:
     assert idx._holders == {}
 
 
-def test_keys_and_bad_ids() -> None:
-    keys = block_keys(T[:10], BS)
-    assert len(keys) == 2 and len(set(keys)) == 2 and all(0 <= k < 1 << 64 for k in keys)
-    assert block_keys(T[:10], BS, limit=1) == keys[:1]
-    assert block_keys(T[:8], BS, BlockExtra(cache_salt="x"))[0] != keys[0]
+def test_bad_ids() -> None:
+    """(The keys themselves: tests/unit/proxy/routing/test_prompt_keys.py.)"""
     idx = PrefixIndex()
     idx.apply(A, [stored([1], None, T[:4])])
     with pytest.raises(ValueError):
         idx.cached_tokens([-1] + T[1:9])
-    with pytest.raises(ValueError):
-        block_keys([1.5] * 4, BS)  # type: ignore[list-item]
-    with pytest.raises(ValueError):
-        block_keys([1 << 32] * 4, BS)
 
 
 def test_a_prompt_being_computed_counts_as_held_until_dropped() -> None:

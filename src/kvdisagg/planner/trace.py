@@ -1,14 +1,15 @@
-"""Simulated workloads: request length pairs and Poisson arrivals, deterministic under a seed.
+"""Simulated traces: request lengths drawn from a ``LengthPool`` and Poisson arrivals,
+deterministic under a seed.
 
 Arrivals for a rate sweep reuse one stream of unit-rate exponential gaps scaled by ``1/rate``
 (common random numbers), so attainment changes with rate only because of the rate, not noise,
-and the bisection in ``goodput`` sees a (nearly) monotone curve. Must not import ``vllm``.
+and the bisection in ``goodput`` sees a (nearly) monotone curve. A pool read from a file is
+read by ``kvdisagg bench``'s dataset loader (bench/workload.py ``parse_dataset``: one format for
+both commands). Must not import ``vllm``.
 """
 
 from __future__ import annotations
 
-import csv
-import json
 from importlib import resources
 from pathlib import Path
 from typing import NamedTuple
@@ -16,6 +17,7 @@ from typing import NamedTuple
 import msgspec
 import numpy as np
 
+from kvdisagg.bench.workload import parse_dataset
 from kvdisagg.errors import ConfigError
 
 
@@ -39,10 +41,9 @@ class Requests(NamedTuple):
 
 
 def load_lengths(spec: str) -> LengthPool:
-    """``sharegpt`` (DistServe's ShareGPT, OPT tokenizer), ``fixed:PROMPT:OUTPUT``, or a file.
-
-    A file is CSV with ``prompt_len,output_len`` columns, or JSON lines with those keys (also
-    accepted: ``prompt_tokens``/``output_tokens``, as in ``kvdisagg bench`` records).
+    """``sharegpt`` (DistServe's ShareGPT, OPT tokenizer), ``fixed:PROMPT:OUTPUT``, or a dataset
+    file, ``.csv`` or ``.jsonl`` (``kvdisagg bench``'s format: bench/workload.py
+    ``parse_dataset``). ConfigError for a spec or file it cannot read.
     """
     if spec == "sharegpt":
         text = (
@@ -50,7 +51,7 @@ def load_lengths(spec: str) -> LengthPool:
             .joinpath("data/sharegpt_opt13b_lengths.csv")
             .read_text()
         )
-        return _from_rows("sharegpt", csv.DictReader(text.splitlines()))
+        return _pool("sharegpt", text, ".csv")
     if spec.startswith("fixed:"):
         try:
             _, p, o = spec.split(":")
@@ -63,33 +64,15 @@ def load_lengths(spec: str) -> LengthPool:
     path = Path(spec)
     if not path.is_file():
         raise ConfigError(f"workload {spec!r}: not 'sharegpt', 'fixed:P:O' or an existing file")
-    text = path.read_text()
-    if path.suffix == ".csv":
-        return _from_rows(path.name, csv.DictReader(text.splitlines()))
+    return _pool(path.name, path.read_text(), path.suffix)
+
+
+def _pool(name: str, text: str, suffix: str) -> LengthPool:
     try:
-        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        rows = parse_dataset(text, suffix, name)
     except ValueError as exc:
-        raise ConfigError(f"workload {spec}: not JSON lines ({exc})") from exc
-    return _from_rows(path.name, rows)
-
-
-def _from_rows(name: str, rows: object) -> LengthPool:
-    prompt, output = [], []
-    for row in rows:  # type: ignore[attr-defined]
-        try:
-            p = int(row.get("prompt_len", row.get("prompt_tokens")))
-            o = int(row.get("output_len", row.get("output_tokens")))
-        except (TypeError, ValueError, AttributeError) as exc:
-            raise ConfigError(
-                f"workload {name}: row {row!r} lacks integer prompt_len/output_len"
-            ) from exc
-        if p < 1 or o < 1:
-            raise ConfigError(f"workload {name}: row {row!r} has a length < 1")
-        prompt.append(p)
-        output.append(o)
-    if not prompt:
-        raise ConfigError(f"workload {name}: no rows")
-    return LengthPool(name, tuple(prompt), tuple(output))
+        raise ConfigError(f"workload: {exc}") from exc
+    return LengthPool(name, tuple(r.prompt_len for r in rows), tuple(r.output_len for r in rows))
 
 
 class TraceSeed(NamedTuple):
