@@ -7,20 +7,25 @@ Paths are forced by the proxy's flags, one proxy each, on the session's fleet:
 - ``first-token``: every request through prefill, a stream's first token from prefill;
 - ``ordinary``: every request through prefill, the ordinary handoff;
 - ``decide-early``: the proxy's decision (decode alone for short prompts) with early dispatch;
-- ``migrate``: as ``ordinary``, with decode behind a relay that breaks a chosen stream right
-  after its k-th event (tests/support/cutting_relay.py): k 0 (before any event), 1, the event
-  of a token inside a multi-byte character, and the finish event.
+- migration: ``ordinary`` and ``first-token`` again, with decode behind a relay that breaks a
+  chosen stream (tests/support/cutting_relay.py) at the client's k-th token: k 0, 1, a middle
+  token inside a multi-byte character, the last token, and after the finish event; over fixed
+  streams and the grammar's first forms that the contract lets migrate.
 
 Each response also shows the path it took (``X-Kvdisagg-Handoff``), which must be the one the
-contract (proxy/routing/contract.py) gives for the form; decode's pull counter and the proxy's
-first-token counter must have moved for each request that claims them, so a silent recompute or
-a fallback can never pass as P/D. Greedy and seeded answers are reproducible, so comparisons are
-exact except logprobs (``LOGPROB_RTOL``: decode computes the prompt's last token in another
-kernel, as prefix caching does). ``prompt_tokens_details`` is compared too (null on both here).
+contract (proxy/routing/contract.py) gives for the form, and each case checks the counters of
+that path: decode's pulls moved by one for a handoff and not for decode alone or a refusal;
+early dispatch opened for each handoff of ``decide-early`` (and for nothing else); the
+proxy's first-token counter matches the forms that took it; a break migrated or only finished
+the stream as it should. So a silent recompute or a fallback can never pass as P/D. Greedy
+and seeded answers are reproducible, so comparisons are exact except logprobs
+(``LOGPROB_RTOL``: decode computes the prompt's last token in another kernel, as prefix caching
+does). ``prompt_tokens_details`` is compared too (null on both here).
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import random
@@ -28,20 +33,23 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
+from kvdisagg.prom_text import Sample, samples, total
 from kvdisagg.proxy.routing import contract
 from tests.support.cutting_relay import cutting_relay
 
-from .conftest import metric, wait_metric_change
+from .conftest import metric
 
 pytestmark = pytest.mark.e2e
 
 SEED = 2026
 FORMS = 44  # generated forms per mode, plus the issue's named holes (HOLES)
 LOGPROB_RTOL = 1e-4
+PULLS = "vllm:kvdisagg_pulls_total"  # decode's: one per handoff it loaded
+EARLY = "kvdisagg_proxy_early_handoffs_total"
 WORDS = ("sea fox dog tide salt wind shore wave gull rock sand reef boat net storm calm "
          "café naïve 東京 señor ünter björk crème").split()
 EOS, PAD, PARTIAL_BYTE, LETTER_C = 2, 3, 131, 70  # tiny model ids: </s>, <pad>, 0xC3, "c"
@@ -332,6 +340,65 @@ def _warm_first_token(url: str) -> None:
     raise AssertionError("the proxy never took the first token from prefill")
 
 
+def _warm_early(url: str) -> None:
+    """Until the proxy dispatches a handoff early: it needs one ordinary handoff from prefill
+    first (its kv_transfer_params are the template of an early one, early.py)."""
+    before = _early(url).opened
+    for i in range(20):
+        call(url, "completions", {"model": "tiny", "prompt": f"warm early {i}: " + "tide " * 200,
+                                  "max_tokens": 2, "temperature": 0})
+        if _early(url).opened > before:
+            return
+        time.sleep(0.5)
+    raise AssertionError("the proxy never dispatched a handoff early")
+
+
+class EarlyCount(NamedTuple):
+    opened: float
+    fell_back: float
+
+
+def _early(url: str) -> EarlyCount:
+    """The proxy's early handoffs (proxy/metrics.py: kvdisagg_proxy_early_handoffs_total)."""
+    found = scrape(url, EARLY)
+    return EarlyCount(total(found, EARLY, outcome="opened") or 0.0,
+                      total(found, EARLY, outcome="fell_back") or 0.0)
+
+
+def scrape(base: str, *prefixes: str) -> list[Sample]:
+    """``base``'s metrics, only the lines of ``prefixes`` parsed (vLLM's page is long)."""
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        return samples(r.read(), prefixes)
+
+
+def pulls(decode: str) -> float:
+    """Decode's completed KV pulls (one per handoff it loaded)."""
+    return total(scrape(decode, PULLS), PULLS) or 0.0
+
+
+def _pulls_moved(decode: str, before: float, within_s: float = 10.0) -> float:
+    """Decode's pulls once they moved from ``before``, or as they are after ``within_s``
+    (as conftest.wait_metric_change: the counter may come with decode's next engine step)."""
+    deadline = time.monotonic() + within_s
+    while (value := pulls(decode)) == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return value
+
+
+def _answer_tokens(plain_url: str, endpoint: str, body: dict[str, Any],
+                   want: dict[str, Any]) -> int:
+    """How many tokens the plain instance's answer to a one-answer stream has: its token ids
+    or usage when the stream shows them, else the same request's whole answer's usage."""
+    ids = want["choices"][0]["token_ids"] if want["choices"] else None
+    if ids is not None:
+        return len(ids)
+    if want["usage"]:
+        return int(want["usage"][-1]["completion_tokens"])
+    whole = {k: v for k, v in body.items() if k != "stream_options"}
+    got, _ = call(plain_url, endpoint, {**whole, "stream": False})
+    return int((got.get("usage") or {}).get("completion_tokens", -1))
+
+
 MODES = ["first-token", "ordinary", "decide-early"]
 
 
@@ -340,8 +407,11 @@ def test_every_form_as_a_plain_instance_answers(fleet, proxies, mode):
     url = proxies[mode]
     if mode == "first-token":
         _warm_first_token(url)
+    if mode == "decide-early":
+        _warm_early(url)
     d = fleet.decode.base_url
-    pulls0 = metric(d, "vllm:kvdisagg_pulls_total")
+    pulls_at = pulls(d)
+    early_at = _early(url)
     sent0 = metric(url, "kvdisagg_proxy_first_tokens_from_prefill_total", outcome="sent")
     ordinary0 = metric(url, "kvdisagg_proxy_first_tokens_from_prefill_total",
                        outcome="ordinary")
@@ -370,15 +440,41 @@ def test_every_form_as_a_plain_instance_answers(fleet, proxies, mode):
             prompt = body.get("prompt") or body.get("messages")
             if len(json.dumps(prompt)) > 600 and i < FORMS:  # unique prompts over 128 tokens
                 long_pd += 1
+        # The path it took, in counters: a handoff's KV moved (one pull: n samples share it),
+        # a decode-alone answer or a refusal moved none. Prefill's first token may be the
+        # whole answer: decode then never hears of the request.
+        moved = int(ok and handoff == "pd")
+        if (moved and mode == "first-token" and paths.first_token is None
+                and _answer_tokens(fleet.reference.base_url, endpoint, body, want) == 1):
+            moved = 0
+        now = _pulls_moved(d, pulls_at) if moved else pulls(d)
+        if now - pulls_at != moved:
+            diffs.append(f"decode pulled {now - pulls_at:g} times, want {moved} (path "
+                         f"{handoff!r})")
+        pulls_at = now
+        if mode == "decide-early":
+            # Every handoff of this proxy goes out early (decide.takes_early: the decision is
+            # on, --early-decode, a client's own request; early.py: prefill idle, as it is
+            # between these sequential requests, and its handoff template known: _warm_early);
+            # decode alone never does. A refused form may race its two legs: not counted.
+            early = _early(url)
+            if ok and (early.opened - early_at.opened, early.fell_back - early_at.fell_back
+                       ) != (moved, 0):
+                diffs.append(f"early handoffs: {early.opened - early_at.opened:g} opened, "
+                             f"{early.fell_back - early_at.fell_back:g} fell back; want "
+                             f"{moved} opened (path {handoff!r})")
+            early_at = early
         if diffs:
             failed.append(f"form {i} {endpoint} {json.dumps(body)[:300]}\n  " +
                           "\n  ".join(diffs[:8]))
     assert not failed, f"{len(failed)} forms differ ({mode}):\n" + "\n".join(failed)
-    # KV really moved, and the first tokens really came from prefill
-    pulls = wait_metric_change(d, "vllm:kvdisagg_pulls_total", pulls0) - pulls0
-    assert pulls >= long_pd > 0, (pulls, long_pd, routes)
-    if mode == "decide-early":
-        return  # early dispatch and the first token share the pd streams as prefill allows
+    # nothing pulled late (vLLM publishes a pull with a step of its engine)
+    assert _pulls_moved(d, pulls_at, within_s=1.0) == pulls_at
+    assert long_pd > 0, routes
+    if mode == "decide-early":  # the decision took both routes
+        assert any(r.startswith("decode_only:") and r != "decode_only:invalid_min_tokens"
+                   for r in routes), routes
+        return  # early dispatch serves the pd streams: no first token from prefill to count
     sent = metric(url, "kvdisagg_proxy_first_tokens_from_prefill_total", outcome="sent")
     ordinary = metric(url, "kvdisagg_proxy_first_tokens_from_prefill_total",
                       outcome="ordinary")
@@ -386,53 +482,174 @@ def test_every_form_as_a_plain_instance_answers(fleet, proxies, mode):
         first_tokens, refused_late if mode == "first-token" else 0), routes
 
 
-def _cut_points(want: dict[str, Any]) -> list[str]:
-    """Where to break a stream of ``want``'s events: before any, after the first, after an
-    event halfway (with the byte tokens below, likely inside a character), after the finish
-    event (``end``)."""
-    n = len(next(iter(want["choices"].values()))["token_ids"] or [])
-    return [*map(str, sorted({0, 1, max(2, n // 2)})), "end"]
+MIGRATING_FORMS = 6  # the seeded grammar's first forms that migration serves (contract.py)
+MIGRATION_PATHS = ["ordinary", "first-token"]
+BYTES_ONLY = [PARTIAL_BYTE, 106, 166, 255, 169]  # 0xC3 0xA9 0xE6 0x9D 0xE9: lead and tail bytes
 
 
-@pytest.mark.parametrize("endpoint", ["completions", "chat"])
-def test_a_stream_broken_at_any_token_gives_the_plain_answer(fleet, endpoint):
-    """Migration, injected: decode's stream breaks after its k-th event; the proxy finishes
-    the answer on decode (the continuation) and the client's stream is the plain instance's,
-    text included (a break inside a multi-byte character: the prompt is made so that bytes
-    of one character are likely, ``allowed_token_ids``)."""
-    with cutting_relay(fleet.decode.base_url) as relay:
-        # the ordinary handoff: decode's leg carries every event, so k counts them all
-        url = fleet.extra_proxy(["--always-disaggregate", "--no-decode-only-fallback",
-                                 "--no-first-token-from-prefill"],
-                                f"conformance-migrate-{endpoint}", decodes=[relay.url])
-        failed = []
-        bodies = [
-            {"model": "tiny", "stream": True, "max_tokens": 8, "temperature": 0,
-             "return_token_ids": True, "stream_options": {"include_usage": True}},
-            {"model": "tiny", "stream": True, "max_tokens": 6, "temperature": 0,
-             "allowed_token_ids": [PARTIAL_BYTE, 106, 166, 255, 169]},  # bytes only
-            {"model": "tiny", "stream": True, "max_tokens": 7, "temperature": 0,
-             "stream_options": {"include_usage": True}},
-        ]
-        migrated0 = metric(url, "kvdisagg_proxy_migrations_total")
-        cuts = 0
-        for b, extra in enumerate(bodies):
+def _byte_decoder() -> dict[str, int]:
+    """The tiny model's byte-level alphabet (GPT-2's ``bytes_to_unicode``): character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars = {b: b for b in printable}
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + len(chars) - len(printable)
+    return {chr(c): b for b, c in chars.items()}
+
+
+@pytest.fixture(scope="module")
+def token_bytes(model):
+    """Token ids -> the bytes they stand for (special tokens: none, as vLLM skips them)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    special = {t.content for t in tok.get_added_tokens_decoder().values()}
+    alphabet = _byte_decoder()
+
+    def of(ids: list[int]) -> bytes:
+        return bytes(alphabet[c] for i in ids if (t := tok.id_to_token(i)) not in special
+                     for c in t)
+    return of
+
+
+def mid_character(data: bytes) -> bool:
+    """Whether ``data`` ends inside a UTF-8 character (its lead byte came, not its last)."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(data, final=False)
+    return bool(decoder.getstate()[0])
+
+
+def _cut_points(ids: list[int], first: int, token_bytes: Any) -> list[tuple[str, int | None]]:
+    """Where to break an answer of token ids ``ids``, as (name, tokens the client has at the
+    break; None: after the event with the finish reason): k 0, 1, a middle token inside a
+    multi-byte character (the first such break inside decode's stream if there is one), the
+    last token, and after the finish. ``first``: tokens the client has before decode's leg
+    starts (1: prefill's first token); no break before them."""
+    n = len(ids)
+    mids = [j for j in range(max(1, first), n) if mid_character(token_bytes(ids[:j]))]
+    mid = next((j for j in mids if j > first), mids[0] if mids else None)
+    ks = {0: "k0", 1: "k1", n: "last"} | ({mid: "mid-character"} if mid is not None else {})
+    if first:
+        ks.setdefault(first + 1, f"k{first + 1}")  # decode's first token (k 1: before its leg)
+    return [*((name, k) for k, name in sorted(ks.items()) if first <= k <= n),
+            ("after-finish", None)]
+
+
+def _migration_cases(endpoint_bodies_tag: int) -> list[tuple[str, str, dict[str, Any]]]:
+    """(name, endpoint, body): streams of byte tokens and of token ids, each endpoint; and the
+    seeded grammar's first MIGRATING_FORMS forms whose migration the contract allows."""
+    cases = []
+    for endpoint in ("completions", "chat"):
+        for b, extra in enumerate([
+                {"max_tokens": 8, "return_token_ids": True,
+                 "stream_options": {"include_usage": True}},
+                {"max_tokens": 6, "allowed_token_ids": BYTES_ONLY}]):
             prompt = f"break {endpoint} {b}: " + "tide and salt " * 60
-            body = {**extra, **({"messages": chat_msgs(prompt)} if endpoint == "chat"
-                                else {"prompt": prompt})}
+            body = {"model": "tiny", "stream": True, "temperature": 0, **extra,
+                    **({"messages": chat_msgs(prompt)} if endpoint == "chat"
+                       else {"prompt": prompt})}
+            cases.append((f"{endpoint}-{b}", endpoint, tagged(body, endpoint_bodies_tag)))
+    grammar = [(i, ep, body) for i, (ep, body) in enumerate(forms(endpoint_bodies_tag)[:FORMS])
+               if _expected_route(ep, body).migration is None]
+    assert len(grammar) >= MIGRATING_FORMS, len(grammar)
+    return cases + [(f"form{i}", ep, body) for i, ep, body in grammar[:MIGRATING_FORMS]]
+
+
+@pytest.mark.parametrize("path", MIGRATION_PATHS)
+def test_a_stream_broken_at_any_token_gives_the_plain_answer(fleet, token_bytes, path):
+    """Migration, injected: decode's stream breaks at the client's k-th token (the relay cuts
+    decode's leg there); the proxy finishes the answer on decode (the continuation) and the
+    client's stream is the plain instance's, text included. k: 0, 1, a middle token inside a
+    multi-byte character (computed from the plain answer's bytes; the byte-token streams
+    always have one), the last token, and after the event with the finish reason (when vLLM
+    sent it apart from the last token's). On the first-token path decode's leg starts after
+    prefill's token: k counts it.
+
+    Each break is checked where it fell (the relay's record: the tokens decode's leg had
+    delivered) and by the path it took: a break after the finish reason only ends the stream
+    (``finished``), one before decode's first event retries the leg before the client's first
+    byte of it (no migration), any other migrates once (``ok``); decode pulled once for the
+    handoff, and once more for the retry's or continuation's."""
+    tag = 10 + MIGRATION_PATHS.index(path)
+    with cutting_relay(fleet.decode.base_url) as relay:
+        flags = ["--always-disaggregate", "--no-decode-only-fallback"]
+        if path == "ordinary":
+            flags.append("--no-first-token-from-prefill")
+        url = fleet.extra_proxy(flags, f"conformance-migrate-{path}", decodes=[relay.url])
+        if path == "first-token":
+            _warm_first_token(url)
+        d = fleet.decode.base_url
+        failed: list[str] = []
+        mid_cuts: list[str] = []
+        for name, endpoint, body in _migration_cases(tag):
+            paths = _expected_route(endpoint, body)
             want, _ = call(fleet.reference.base_url, endpoint, body)
-            for k in _cut_points(want):
-                got, handoff = call(url, endpoint, body, rid=f"cut{k}-{endpoint}-{b}-{k}")
-                diffs = differences(got, want)
-                if handoff != "pd":
-                    diffs.append(f"path {handoff!r}")
+            ids = want["choices"][0]["token_ids"]
+            if ids is None:
+                ids = call(fleet.reference.base_url, endpoint,
+                           {**body, "return_token_ids": True})[0]["choices"][0]["token_ids"]
+            first = int(path == "first-token" and paths.first_token is None)
+            if len(ids) <= first:
+                continue  # prefill's token is the whole answer: decode gets no leg
+            for cut, k in _cut_points(ids, first, token_bytes):
+                if k is None and relay.cut[-1].finished:
+                    continue  # the last token's event carried the finish: the same break
+                for attempt in range(3):
+                    where = ("end" if k is None else "0" if k == first
+                             else f"t{k - first}")
+                    rid = f"cut{where}-{path}-{name}-{cut}-{attempt}"
+                    diffs, fell = _broken_once(url, d, relay, endpoint, body, rid, want, k,
+                                               first)
+                    if fell:  # else vLLM merged events: the break fell later; again
+                        break
+                if not fell:
+                    diffs.append(f"the break never fell at token {k}: {relay.cut[-1]}")
+                if cut == "mid-character":
+                    mid_cuts.append(name)
                 if diffs:
-                    failed.append(f"body {b} cut after event {k}: " + "; ".join(diffs[:6]))
-                cuts += 1
+                    failed.append(f"{name} {json.dumps(body)[:200]} broken at {cut} "
+                                  f"(token {k}): " + "; ".join(diffs[:6]))
         assert not failed, "\n".join(failed)
-        assert len(relay.cut) == cuts  # every stream was broken where asked
-        # breaks after the first event migrated (or, after the last token, just ended)
-        assert metric(url, "kvdisagg_proxy_migrations_total") - migrated0 >= cuts - len(bodies)
+        # the byte-token streams had a break inside a character, on each endpoint
+        assert {"completions-1", "chat-1"} <= set(mid_cuts), mid_cuts
+
+
+def _broken_once(url: str, decode: str, relay: Any, endpoint: str, body: dict[str, Any],
+                 rid: str, want: dict[str, Any], k: int | None, first: int
+                 ) -> tuple[list[str], bool]:
+    """One request whose decode leg the relay breaks (``rid``): its differences from the plain
+    answer ``want`` and from the path it should have taken, and whether the break fell where
+    asked (after ``k - first`` of the leg's tokens)."""
+    pulls0, mig0 = pulls(decode), _migrations(url)
+    broken0 = len(relay.cut)
+    got, handoff = call(url, endpoint, body, rid=rid)
+    diffs = differences(got, want)
+    if handoff != "pd":
+        diffs.append(f"path {handoff!r}")
+    if len(relay.cut) != broken0 + 1 or relay.cut[-1].rid != rid:
+        return [*diffs, f"the relay broke {relay.cut[broken0:]}, not {rid}"], True
+    broke = relay.cut[-1]
+    fell = (broke.finished if k is None else len(broke.token_ids) == k - first)
+    migrated = int(k is not None and k > first and not broke.finished)
+    want_mig = {"ok": migrated, "finished": int(broke.finished)}
+    got_mig = {o: n - mig0.get(o, 0) for o, n in _migrations(url).items()
+               if n != mig0.get(o, 0)}
+    if got_mig != {o: n for o, n in want_mig.items() if n}:
+        diffs.append(f"migrations {got_mig}, want {want_mig}")
+    # the leg broken before its first event may have pulled already (vLLM aborts it when
+    # the relay goes away); its retry pulls a fresh handoff
+    moved = _pulls_moved(decode, pulls0) - pulls0
+    want_pulls = {1, 2} if k == first else {1 + migrated}
+    if moved not in want_pulls:
+        diffs.append(f"decode pulled {moved:g} times, want {sorted(want_pulls)}")
+    return diffs, fell
+
+
+def _migrations(url: str) -> dict[str, float]:
+    """The proxy's migrations by outcome (ok, finished, exhausted, impossible, failed)."""
+    found = scrape(url, "kvdisagg_proxy_migrations_total")
+    return {s.labels["outcome"]: s.value for s in found}
 
 
 # -- sampling equivalence ----------------------------------------------------------------------
