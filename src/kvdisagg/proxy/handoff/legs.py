@@ -105,4 +105,5 @@ class LegScope:
         self.closed = True
         self.prompt_computed()
         self.inst.finish(self.side, self.tokens, outcome)
-        end(self.span, outcome=span_outcome or outcome.name.lower())
+        if self.span is not None:  # (untraced: no label to make)
+            end(self.span, outcome=span_outcome or outcome.name.lower())

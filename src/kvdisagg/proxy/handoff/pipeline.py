@@ -34,6 +34,7 @@ from kvdisagg.proxy.routing.prompt_keys import BlockExtra
 from kvdisagg.proxy.types import Side
 
 log = logging.getLogger("kvdisagg.proxy")
+_PD, _DECODE_ONLY = Route.PD.value, Route.DECODE_ONLY.value  # routed_total's route labels
 PENDING_GRACE_S = 2.0
 """How long a prompt stays noted as computed on an instance after its leg answered: vLLM
 publishes the blocks after the step that computed them, and the KV events take a moment."""
@@ -61,7 +62,12 @@ class Pipeline:
         left (a migrated stream's); ``lead``: the client's own stream, which may start with
         prefill's first token instead (``Led``: its decode leg opened by the relay)."""
         x = self.x
-        found = await self._lookup()
+        body = x.body
+        ids = body.token_ids if body.token_ids is not None else body.forwarded_ids
+        if (ids is None and x.cache is not None and x.tokenizer is not None
+                and x.cache.answering()):  # worth tokenizing: the index would answer
+            ids = await self._tokenized()
+        found = self._lookup(ids) if ids is not None else None
         plan = x.decider.decide(x.body, x.hits, avoid, lead)
         cache = x.cache
         # The prompt is being computed where it goes (prefill, or decode alone): until then
@@ -76,13 +82,10 @@ class Pipeline:
         finally:
             asyncio.get_running_loop().call_later(PENDING_GRACE_S, cache.drop_pending, pending)
 
-    async def _lookup(self) -> Lookup | None:
-        """What each instance caches of the prompt (``x.hits``), when the proxy knows its
-        token ids; their count replaces the estimate of the prompt's length."""
+    def _lookup(self, ids: list[int]) -> Lookup | None:
+        """What each instance caches of the prompt of token ids ``ids`` (``x.hits``); their
+        count replaces the estimate of the prompt's length."""
         x = self.x
-        ids = await self._token_ids()
-        if ids is None:
-            return None
         route = x.body.route
         if len(ids) != route.prompt_tokens:
             # The exact length replaces the estimate for every stage: the decision, and the
@@ -99,29 +102,25 @@ class Pipeline:
         x.hits = found.hits
         return found
 
-    async def _token_ids(self) -> list[int] | None:
-        """The prompt's token ids when they matter: sent by the client, or worked out (the
-        tokenizer: in process, or vLLM's /tokenize) when the cache index answers for some
-        instance; else None (the decision then counts an estimate)."""
+    async def _tokenized(self) -> list[int] | None:
+        """The prompt's token ids worked out by the tokenizer (in process, or vLLM's
+        /tokenize); None when it cannot (the decision then counts an estimate). ``open`` asks
+        only when the cache index answers for some instance and the request carries no ids."""
         x = self.x
-        body = x.body
-        if body.token_ids is not None:
-            return body.token_ids
-        if body.forwarded_ids is not None:
-            return body.forwarded_ids
-        if x.cache is None or x.tokenizer is None or not x.cache.answering():
-            return None
+        assert x.tokenizer is not None
         decode = x.registry.candidates(Side.DECODE)
-        prompts = await x.tokenizer.token_ids(body.fields, body.chat,
+        prompts = await x.tokenizer.token_ids(x.body.fields, x.body.chat,
                                               decode[0].pool if decode else None)
         return prompts[0] if prompts is not None and len(prompts) == 1 else None
 
     async def _run(self, plan: RoutePlan, avoid: tuple[Instance, ...]) -> Opened | Led:
         x = self.x
-        log.debug("request %s: %s:%s, %d prompt tokens, %d cached on decode %s (threshold %d)",
-                  x.rid, plan.route.value, plan.reason.value, x.body.route.prompt_tokens,
-                  plan.cached_tokens,
-                  plan.decode.instance.url if plan.decode.instance else None, plan.threshold)
+        if log.isEnabledFor(logging.DEBUG):  # (its arguments cost more than the check)
+            log.debug("request %s: %s:%s, %d prompt tokens, %d cached on decode %s (threshold "
+                      "%d)", x.rid, plan.route.value, plan.reason.value,
+                      x.body.route.prompt_tokens, plan.cached_tokens,
+                      plan.decode.instance.url if plan.decode.instance else None,
+                      plan.threshold)
         if x.root is not None:
             x.root.set_attributes({"kvdisagg.route": plan.route.value,
                                    "kvdisagg.reason": plan.reason.value,
@@ -158,10 +157,11 @@ class Pipeline:
 
     def _count(self, plan: RoutePlan, pre: Handoff) -> None:
         m = self.x.metrics
+        # ``_value_``: the label string without the ``value`` property's two Python calls
         if pre.kv is not None or pre.alone is None:
-            m.routed(Route.PD.value, plan.reason.value)
+            m.routed(_PD, plan.reason._value_)
         else:
-            m.routed(Route.DECODE_ONLY.value, pre.alone.value)
+            m.routed(_DECODE_ONLY, pre.alone._value_)
         decode = plan.decode.instance
         if plan.cached_tokens and decode is not None:
             m.predicted_hit(decode.url, plan.cached_tokens)

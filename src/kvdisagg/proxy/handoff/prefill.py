@@ -105,7 +105,6 @@ class PrefillStage:
         chosen (None: any), whose protocol versions the prefill must speak."""
         x = self.x
         cfg, reg, decider = x.cfg, x.registry, x.decider
-        req = x.body.route.with_hits(x.hits)
         tried = [failed.instance] if failed is not None else []
         failures = [failed.failure] if failed is not None else []
         missing_kv = failed is not None and failed.failure.kind is FailKind.MISSING_KV_PARAMS
@@ -115,7 +114,8 @@ class PrefillStage:
                          or first.instance in reg.candidates(Side.PREFILL))):
                 sel = first
             else:
-                sel = decider.choose_prefill(req, tuple(tried), decode)
+                sel = decider.choose_prefill(x.body.route.with_hits(x.hits), tuple(tried),
+                                             decode)
             inst = sel.instance
             if inst is None:
                 break
@@ -160,7 +160,8 @@ class PrefillStage:
         the whole answer, with token ids (first_token.py)."""
         x = self.x
         t = x.cfg.timeouts
-        span = x.leg_span("prefill_leg", {"kvdisagg.instance": inst.url})
+        span = (x.leg_span("prefill_leg", {"kvdisagg.instance": inst.url})
+                if x.root is not None else None)  # (untraced: no attributes)
         pbody = bodies.prefill_body(x.body, traceparent_of(span), early, token_ids=lead)
         start = _now()
         leg = LegScope(inst, Side.PREFILL, x.body.route.prompt_tokens, x.metrics, span)

@@ -65,6 +65,21 @@ def out_headers(rid: str, opened: Opened, handoff: str) -> dict[str, str]:
     return {"Content-Type": ctype, "X-Request-Id": rid, "X-Kvdisagg-Handoff": handoff}
 
 
+def whole(x: Exchange, opened: Opened) -> Served:
+    """A whole (non-streamed or error) answer: close the leg, account, hand it over (no
+    ``Relay``: it keeps a stream's state, which a whole answer has none of)."""
+    opened.leg.close(Outcome.OK)
+    status = opened.resp.status
+    data = opened.head or b""
+    if 200 <= status < 300:
+        e2e = _now() - x.t0
+        x.metrics.e2e.observe(e2e)
+        x.metrics.judge(opened.inst.url, e2e, None, None, bodies.completion_tokens(data))
+    return Served(web.Response(body=data, status=status,
+                               headers=out_headers(x.rid, opened, opened.pre.header)),
+                  "ok" if status < 400 else "error")
+
+
 def _stream_response(request: web.Request, headers: dict[str, str], status: int
                      ) -> web.StreamResponse:
     out = HeadersWithFirstChunk(status=status, headers=headers)
@@ -95,20 +110,6 @@ class Relay:
         self.moves = 0
         self.led = False  # prefill gave the first token (the headers are sent already)
         self.chunked = request.version >= (1, 1)
-
-    def whole(self, opened: Opened) -> Served:
-        """A whole (non-streamed or error) answer: close the leg, account, hand it over."""
-        x = self.x
-        opened.leg.close(Outcome.OK)
-        status = opened.resp.status
-        data = opened.head or b""
-        if 200 <= status < 300:
-            e2e = _now() - x.t0
-            x.metrics.e2e.observe(e2e)
-            x.metrics.judge(opened.inst.url, e2e, None, None, bodies.completion_tokens(data))
-        return Served(web.Response(body=data, status=status,
-                                   headers=out_headers(x.rid, opened, opened.pre.header)),
-                      "ok" if status < 400 else "error")
 
     async def stream(self, opened: Opened) -> Served:
         """Pass decode's stream to the client, timing it on the way; a decode that fails

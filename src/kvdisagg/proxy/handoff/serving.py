@@ -9,7 +9,7 @@ becomes the client's HTTP error.
 
 Turned away before any leg (``max_in_flight`` reached, slo_aware shedding, nothing routable,
 shutting down): 429/503 with ``Retry-After``, counted in ``kvdisagg_proxy_rejected_total``. Any
-stage that cannot serve a request raises ``responses.Refusal``; ``_answered`` turns it into
+stage that cannot serve a request raises ``responses.Refusal``; ``_refused`` turns it into
 the response.
 
 Holds what lives as long as the proxy (the collaborators it gives each exchange, the tasks left
@@ -33,7 +33,7 @@ from kvdisagg.proxy.handoff.fanout import FanOut
 from kvdisagg.proxy.handoff.first_token import Led
 from kvdisagg.proxy.handoff.passthrough import Passthrough
 from kvdisagg.proxy.handoff.pipeline import Pipeline
-from kvdisagg.proxy.handoff.relay import Relay, Served
+from kvdisagg.proxy.handoff.relay import Relay, Served, whole
 from kvdisagg.proxy.metrics import Metrics
 from kvdisagg.proxy.responses import Refusal
 from kvdisagg.proxy.routing import body as bodies
@@ -86,7 +86,11 @@ class Serving:
             request.headers.get("traceparent")), server=True,
             attributes={"http.route": request.path}) if self.tracer.enabled else None
         try:
-            resp, outcome = await self._answered(self._serve(request, chat, t0, root))
+            # (``_answered``'s catch inline: no coroutine of its own on every request)
+            try:
+                resp, outcome = await self._serve(request, chat, t0, root)
+            except Refusal as refusal:
+                resp, outcome = self._refused(refusal)
             return resp
         except (asyncio.CancelledError, ConnectionResetError):
             outcome = "client_disconnect"
@@ -105,13 +109,18 @@ class Serving:
 
         return (await self._answered(forwarded())).response
 
-    @staticmethod
-    async def _answered(serving: Awaitable[Served]) -> Served:
-        """The one place a ``Refusal`` becomes the client's HTTP error."""
+    @classmethod
+    async def _answered(cls, serving: Awaitable[Served]) -> Served:
+        """``serving``'s answer, a ``Refusal`` made the client's HTTP error."""
         try:
             return await serving
         except Refusal as refusal:
-            return Served(refusal.response(), refusal.outcome)
+            return cls._refused(refusal)
+
+    @staticmethod
+    def _refused(refusal: Refusal) -> Served:
+        """The one place a ``Refusal`` becomes the client's HTTP error."""
+        return Served(refusal.response(), refusal.outcome)
 
     def _turned_away(self, reason: str, message: str) -> web.Response:
         """Turned away before anything: counted by reason, with a Retry-After to come back."""
@@ -137,9 +146,8 @@ class Serving:
         if body.prompts is not None:
             return await FanOut(x, request).serve()
         opened = await Pipeline(x).open(lead=True)
-        relay = Relay(x, request)
         if isinstance(opened, Led):
-            return await relay.stream_led(opened)
+            return await Relay(x, request).stream_led(opened)
         if x.body.stream and opened.ok:
-            return await relay.stream(opened)
-        return relay.whole(opened)
+            return await Relay(x, request).stream(opened)
+        return whole(x, opened)

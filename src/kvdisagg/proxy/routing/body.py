@@ -26,7 +26,7 @@ from kvdisagg.connector.protocol.params import (
 )
 from kvdisagg.errors import BodyError
 from kvdisagg.proxy.routing import contract
-from kvdisagg.proxy.routing.policies import RouteRequest
+from kvdisagg.proxy.routing.policies import NO_HITS, RouteRequest
 from kvdisagg.proxy.routing.prompt_keys import prefix_key
 from kvdisagg.tracing import TRACE_PARAMS_KEY
 
@@ -125,7 +125,8 @@ def parse(raw: bytes, chat: bool, prefix_chars: int) -> ClientBody:
     prompt = fields.get("prompt")
     prompts = (prompt if not chat and isinstance(prompt, list) and len(prompt) > 1
                and all(isinstance(p, (str, list)) for p in prompt) else None)
-    route = RouteRequest(prefix_key(text, prefix_chars), tokens, max_tokens)
+    # NO_HITS given: the default's factory would be a Python call per request
+    route = RouteRequest(prefix_key(text, prefix_chars), tokens, max_tokens, NO_HITS)
     return ClientBody(raw, fields, chat, stream, route, slo, prompts,
                       contract.paths(fields, chat, stream, _sample_count(fields)))
 
