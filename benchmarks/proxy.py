@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
-from kvdisagg.local.servers import free_port
+from kvdisagg.local.servers import free_port, stop_processes
 from kvdisagg.proxy.fleet.upstream import Pool
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -352,13 +352,7 @@ def main() -> int:
         (out / "ratios.md").write_text(ratios(cells) + "\n")
         print(ratios(cells))
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(procs)
     return 0
 
 

@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvdisagg.local.servers import stop_processes
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 OPS: dict[tuple[str, int, str], list[int]] = {}
@@ -168,13 +170,7 @@ def main() -> int:
                       flush=True)
             proc.terminate()
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(procs)
     return 0
 
 

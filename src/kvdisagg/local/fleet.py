@@ -20,7 +20,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from kvdisagg.local.servers import VllmServer, free_port, metric_value, stop_all, stop_process
+from kvdisagg.local.servers import (
+    VllmServer,
+    free_port,
+    metric_value,
+    stop_all,
+    stop_process,
+    stop_processes,
+)
 
 
 def kv_transfer_args(role: str, extra: dict[str, Any] | None = None,
@@ -217,13 +224,13 @@ class Fleet:
     def stop_extra_proxies(self) -> None:
         """Stop the proxies ``extra_proxy`` started (the fleet's own stays): each probes every
         instance, and vLLM renders its whole /metrics page for each probe."""
-        _stop_proxies(self.extra_proxies)
+        stop_processes(self.extra_proxies)
         self.extra_proxies = []
 
     def stop(self) -> None:
         """The proxies, then the instances; each group signalled at once and then waited for,
         so that shutdowns overlap (a fleet's teardown took a few seconds per process)."""
-        _stop_proxies([self.proxy, *self.extra_proxies])
+        stop_processes([self.proxy, *self.extra_proxies])
         stop_all(self.servers)
 
     def __enter__(self) -> Fleet:
@@ -232,14 +239,3 @@ class Fleet:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-
-def _stop_proxies(procs: Sequence[subprocess.Popen[bytes] | None]) -> None:
-    """SIGTERM every live one at once, then wait for each (SIGKILL after 10 s)."""
-    live = [p for p in procs if p is not None and p.poll() is None]
-    for proxy in live:
-        proxy.terminate()
-    for proxy in live:
-        try:
-            proxy.wait(10)
-        except subprocess.TimeoutExpired:
-            proxy.kill()

@@ -237,14 +237,21 @@ class VllmServer:
 
 def stop_process(proc: subprocess.Popen[Any], grace_s: float = 10.0) -> None:
     """SIGTERM ``proc`` (a proxy, a router) and wait for it; SIGKILL after ``grace_s``."""
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_processes([proc], grace_s)
+
+
+def stop_processes(procs: Iterable[subprocess.Popen[Any] | None], grace_s: float = 10.0) -> None:
+    """Stop several processes at once: every live one gets SIGTERM first, then each is waited
+    for (SIGKILL after ``grace_s``), so that their shutdowns overlap."""
+    live = [p for p in procs if p is not None and p.poll() is None]
+    for proc in live:
+        proc.terminate()
+    for proc in live:
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def stop_all(servers: Iterable[VllmServer], grace_s: float = 15.0) -> None:
