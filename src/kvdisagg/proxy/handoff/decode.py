@@ -159,9 +159,7 @@ class DecodeStage:
         x = self.x
         t = x.cfg.timeouts
         stream = x.body.stream
-        span = (x.leg_span("decode_leg", {"kvdisagg.instance": inst.url,
-                                          "kvdisagg.mode": pre.header})
-                if x.root is not None else None)  # (untraced: no attributes)
+        span = x.leg_span("decode_leg", inst.url, pre.header)
         dbody = bodies.decode_body(x.body, pre.kv, traceparent_of(span),
                                    token_ids=takes_migration(x.cfg, x.body))
         sent_at = _now()

@@ -94,10 +94,14 @@ class Exchange:
             return self.headers
         return self.headers + b"traceparent: %s\r\n" % traceparent_of(span).encode()
 
-    def leg_span(self, name: str, attributes: dict[str, Any]) -> Any:
-        """A span for one upstream leg, a child of the request's (None without tracing)."""
+    def leg_span(self, name: str, instance: str, mode: str | None = None) -> Any:
+        """A span for one upstream leg to ``instance`` (a handoff's ``mode``, for decode's),
+        a child of the request's; None without tracing, its attributes then never built."""
         if self.root is None:
             return None
+        attributes = {"kvdisagg.instance": instance}
+        if mode is not None:
+            attributes["kvdisagg.mode"] = mode
         return self.tracer.start(name, traceparent_of(self.root), attributes=attributes)
 
     def reject(self, status: int, reason: str, message: str, type_: str = "service_unavailable",

@@ -160,8 +160,7 @@ class PrefillStage:
         the whole answer, with token ids (first_token.py)."""
         x = self.x
         t = x.cfg.timeouts
-        span = (x.leg_span("prefill_leg", {"kvdisagg.instance": inst.url})
-                if x.root is not None else None)  # (untraced: no attributes)
+        span = x.leg_span("prefill_leg", inst.url)
         pbody = bodies.prefill_body(x.body, traceparent_of(span), early, token_ids=lead)
         start = _now()
         leg = LegScope(inst, Side.PREFILL, x.body.route.prompt_tokens, x.metrics, span)

@@ -224,12 +224,13 @@ class Decider:
                 # else: the prefill stage refuses it (503 no_compatible_prefill)
         migration = takes_migration(self.cfg, body)
         # The plan's last fields, in one new tuple (``_replace`` costs several times that).
-        route, reason, sel, _, uncached, cached, threshold = plan[:7]
-        if route is not Route.PD:
-            return RoutePlan(route, reason, sel, None, uncached, cached, threshold,
+        if plan.route is not Route.PD:
+            return RoutePlan(plan.route, plan.reason, plan.decode, plan.prefill,
+                             plan.uncached_tokens, plan.cached_tokens, plan.threshold,
                              migration=migration) if migration else plan
-        return RoutePlan(route, reason, sel, self.choose_prefill(req, decode=sel.instance),
-                         uncached, cached, threshold,
+        return RoutePlan(plan.route, plan.reason, plan.decode,
+                         self.choose_prefill(req, decode=plan.decode.instance),
+                         plan.uncached_tokens, plan.cached_tokens, plan.threshold,
                          early=not avoid and takes_early(self.cfg, body),
                          first_token=lead and takes_first_token(self.cfg, body),
                          migration=migration)
