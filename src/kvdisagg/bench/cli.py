@@ -383,6 +383,10 @@ def _report(args: argparse.Namespace, options: _Options, console: Any, out: Path
     console.print(report.runs_table(runs, slo))
     if any(r.phases for r in runs):
         console.print(report.phases_table(runs))
+    for r in runs:
+        for url in r.metrics_unread:
+            console.print(f"{r.run}: {url}/metrics was unreadable at the run's start or end, so "
+                          "its phases and SLO counters for this run are unknown (not shown)")
     if sweeps:
         console.print(report.sweeps_table(sweeps))
     if not args.no_plots and importlib.util.find_spec("matplotlib") is None:

@@ -123,14 +123,11 @@ class Profiler:
     async def kv_capacity_tokens(self, attempts: int = 3, timeout_s: float = 30.0) -> int | None:
         """``num_gpu_blocks * block_size`` from vLLM's cache_config_info, None if not exposed.
 
-        A busy instance can be slow to answer /metrics right after the last burst, so an
-        unreadable endpoint is tried again; one that answers without the gauge is final."""
+        A busy instance can be slow to answer /metrics right after the last burst (fetch tries
+        again); one that answers without the gauge is final."""
         async with aiohttp.ClientSession() as session:
-            for attempt in range(attempts):
-                samples = await scrape.fetch(session, self.url, timeout_s=timeout_s)
-                if samples is not None:
-                    break
-                await asyncio.sleep(1.0 + attempt)
+            samples = await scrape.fetch(session, self.url, timeout_s=timeout_s,
+                                         attempts=attempts)
         for s in samples or ():
             if s.name == "vllm:cache_config_info":
                 try:

@@ -98,6 +98,9 @@ class RunSummary(msgspec.Struct, kw_only=True):
     output_tokens_per_s: float
     proxy: ProxyView | None = None
     phases: list[PhaseMean] = []  # the handoff timeline's histograms over the run
+    # Endpoints whose /metrics could not be read at the run's start or end: no proxy view or
+    # phases from them for this run (unknown, not zero).
+    metrics_unread: list[str] = []
 
 
 class SweepPoint(msgspec.Struct, frozen=True):

@@ -83,9 +83,7 @@ async def run_once(ep: Endpoint, specs: Sequence[RequestSpec], cfg: ClientConfig
     urls = [ep.url, *phase_urls]
     async with aiohttp.ClientSession(connector=connector) as session:
         await _warmup(session, ep, warmup, cfg)
-        scraped = [await scrape.fetch(session, u) or [] for u in urls]
-        before = scrape.proxy_snapshot(scraped[0])
-        phases_before = [scrape.phase_totals(s) for s in scraped]
+        scraped_before = [await scrape.fetch(session, u) for u in urls]
         records = [RequestRecord(endpoint=ep.name, run=run, index=s.index, rate=rate,
                                  scheduled_at_s=s.at_s, sent_at_s=s.at_s,
                                  prompt_len=s.prompt_len, output_len=s.output_len)
@@ -107,11 +105,17 @@ async def run_once(ep: Endpoint, specs: Sequence[RequestSpec], cfg: ClientConfig
         await asyncio.gather(*tasks)
         await asyncio.sleep(SETTLE_S)
         after_at = time.perf_counter() - t0
-        scraped = [await scrape.fetch(session, u) or [] for u in urls]
-        after = scrape.proxy_snapshot(scraped[0])
+        scraped_after = [await scrape.fetch(session, u) for u in urls]
     summary = summarize(records, endpoint=ep.name, url=ep.url, run=run, gpus=ep.gpus, rate=rate)
-    summary.phases = [m for u, b, s in zip(urls, phases_before, scraped)
-                      for m in scrape.phase_means(u, b, scrape.phase_totals(s))]
-    summary.proxy = proxy_view(before, after, records, summary.duration_s, after_at,
-                               proxy_window_s, slo)
+    # A phase is what a histogram added between two readings: with either reading missing it is
+    # unknown (an unread start read as zero would credit the run with all earlier traffic).
+    for u, b, a in zip(urls, scraped_before, scraped_after):
+        if b is None or a is None:
+            summary.metrics_unread.append(u)
+        else:
+            summary.phases += scrape.phase_means(u, scrape.phase_totals(b),
+                                                 scrape.phase_totals(a))
+    summary.proxy = proxy_view(scrape.proxy_snapshot(scraped_before[0] or []),
+                               scrape.proxy_snapshot(scraped_after[0] or []), records,
+                               summary.duration_s, after_at, proxy_window_s, slo)
     return RunOutcome(records, summary)

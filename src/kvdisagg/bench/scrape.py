@@ -7,6 +7,7 @@ no proxy view and bench reports only what it measured itself.
 
 from __future__ import annotations
 
+import asyncio
 from typing import NamedTuple
 
 import aiohttp
@@ -32,17 +33,29 @@ def proxy_snapshot(samples: list[Sample]) -> ProxySnapshot | None:
     return ProxySnapshot(judged, met, total(samples, PROXY + "goodput_rps"))
 
 
-async def fetch(session: aiohttp.ClientSession, base_url: str,
-                timeout_s: float = 5.0) -> list[Sample] | None:
-    """The endpoint's samples, or None when it has no readable /metrics."""
-    try:
-        async with session.get(base_url.rstrip("/") + "/metrics",
-                               timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-            if r.status != 200:
-                return None
-            return prom_text.samples(await r.content.read(16 << 20))
-    except (aiohttp.ClientError, TimeoutError, ValueError):
-        return None
+async def fetch(session: aiohttp.ClientSession, base_url: str, timeout_s: float = 5.0,
+                attempts: int = 3) -> list[Sample] | None:
+    """The endpoint's samples, or None when it has no readable /metrics.
+
+    A busy instance can be slow to answer right after a burst, so a timeout, a refused
+    connection or a 5xx is tried again (``attempts`` in all, a growing pause between); a 4xx
+    (a router without /metrics) or a page that does not parse is final."""
+    for attempt in range(attempts):
+        if attempt:
+            await asyncio.sleep(float(attempt))
+        try:
+            async with session.get(base_url.rstrip("/") + "/metrics",
+                                   timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                if r.status >= 500:
+                    continue
+                if r.status != 200:
+                    return None
+                return prom_text.samples(await r.content.read(16 << 20))
+        except ValueError:
+            return None
+        except (aiohttp.ClientError, TimeoutError):
+            continue
+    return None
 
 
 # The handoff timeline's histograms: the proxy's own, and vLLM instances' per-phase one.

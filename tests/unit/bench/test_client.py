@@ -252,3 +252,63 @@ def test_endpoint_names_and_gpus() -> None:
                                                       ("ep1", "http://h:2", 3)]
     with pytest.raises(SystemExit, match="names must differ"):
         _endpoints(argparse.Namespace(url=["a=http://h:1", "a=http://h:2"], gpus=[1]))
+
+
+class ScriptedMetrics:
+    """An instance's /metrics that answers each scrape as scripted: a status code, or "slow"
+    (past the scrape's timeout). Each readable page reports 3 more transfers than the last."""
+
+    def __init__(self, script: list[int | str]) -> None:
+        self.script, self.pages = list(script), 0
+
+    async def metrics(self, request: Any) -> Any:
+        from aiohttp import web
+
+        step = self.script.pop(0) if self.script else 200
+        if step == "slow":
+            await asyncio.sleep(30)
+        if step != 200:
+            return web.Response(status=int(step))
+        self.pages += 1
+        n = 3 * self.pages
+        return web.Response(text=f'vllm:kvdisagg_phase_seconds_count{{phase="transfer"}} {n}\n'
+                                 f'vllm:kvdisagg_phase_seconds_sum{{phase="transfer"}} {n}\n')
+
+
+async def phases_with(script: list[int | str]) -> Any:
+    from aiohttp import web
+
+    scripted = ScriptedMetrics(script)
+    app = web.Application()
+    app.router.add_get("/metrics", scripted.metrics)
+    async with serve(fake()) as url:
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        try:
+            inst = str(server.make_url("")).rstrip("/")
+            out = await run_once(Endpoint("e", url), [RequestSpec(0, 0.0, 2, 2, [20, 21])], CFG,
+                                 Slo(ttft_s=1, tpot_s=1), run="e@1", rate=1.0,
+                                 phase_urls=[inst])
+            return inst, out.summary
+        finally:
+            await server.close()
+
+
+def test_a_busy_instances_metrics_are_read_again() -> None:
+    """Two 503s, then the page: the run's phases are the delta of two readings (3 transfers)."""
+    inst, s = asyncio.run(phases_with([503, 503, 200]))
+    assert [(p.where, p.phase, p.count) for p in s.phases] == [(inst, "transfer", 3)]
+    assert s.metrics_unread == []
+
+
+def test_an_unreadable_start_leaves_the_phases_unknown_not_counted_from_zero(monkeypatch) -> None:
+    """Each try at the opening scrape past its timeout: no phases for the instance (its totals
+    since start are not the run's) and the URL in metrics_unread; the endpoint's own are read."""
+    from kvdisagg.bench import scrape
+
+    real = scrape.fetch
+    monkeypatch.setattr(scrape, "fetch", lambda s, u, timeout_s=5.0, attempts=3:
+                        real(s, u, timeout_s=0.3, attempts=attempts))
+    inst, s = asyncio.run(phases_with(["slow", "slow", "slow", 200]))
+    assert s.phases == [] and s.metrics_unread == [inst]
+    assert s.ok == 1
