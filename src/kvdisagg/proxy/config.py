@@ -60,7 +60,8 @@ class HealthConfig(_Base):
     the legs waiting on it fail over. One that only times out (a starved host) takes the
     instance out of routing but leaves its legs running."""
     failure_threshold: Count = 2
-    """Consecutive failed probes before an instance is unhealthy (its waiting legs then fail)."""
+    """Consecutive failed probes before an instance is unhealthy (its waiting legs fail at the
+    first probe that shows it dead, then or later)."""
     success_threshold: Count = 2
     """Consecutive good probes before it is healthy again."""
     startup_timeout_s: Annotated[float, msgspec.Meta(ge=0, le=86400)] = 30.0

@@ -222,6 +222,19 @@ class Instance:
             self._set_healthy(True)
         elif not ok and self.healthy and self.fail_streak >= cfg.health.failure_threshold:
             self._set_healthy(False)
+        if not self.healthy and self.last_probe_dead:
+            self._fail_legs_on_a_dead_instance()
+
+    def _fail_legs_on_a_dead_instance(self) -> None:
+        """An unhealthy instance whose probe shows it gone: the legs waiting on it fail now
+        (and migrate or retry) instead of waiting out their timeouts. Checked at every such
+        probe, not only when it turns unhealthy: an instance first found slow (probes timing
+        out) and then gone kept two streams waiting the full timeouts.decode_idle_s. A slow
+        instance still answers the legs it has, so only a dead one fails them. A retiring one's
+        streams fail too: its drain has ended (vLLM killed its engine at --shutdown-timeout and
+        stopped listening), so they would stall for good."""
+        self.pool.fail_waiting(f"{self.url} turned unhealthy ({self.last_probe_error})",
+                               streams=self.retiring)
 
     def _set_healthy(self, healthy: bool) -> None:
         if healthy != self.healthy:
@@ -239,12 +252,6 @@ class Instance:
             self.on_recovered(self)
         if healthy:
             self.breaker.reset()
-        elif self.last_probe_dead:  # a slow instance still answers the legs it has
-            # A retiring one whose probes now fail has ended its drain (vLLM killed its engine
-            # at --shutdown-timeout and stopped listening): its streams stall for good, so they
-            # fail now and migrate instead of waiting out timeouts.decode_idle_s.
-            self.pool.fail_waiting(f"{self.url} turned unhealthy ({self.last_probe_error})",
-                                   streams=self.retiring)
 
 
 _WAITING, _RUNNING = "vllm:num_requests_waiting", "vllm:num_requests_running"

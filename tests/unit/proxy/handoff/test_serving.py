@@ -531,6 +531,45 @@ def test_retiring_decode_gone_dead_migrates_its_streams_at_once() -> None:
     run(t())
 
 
+def test_a_decode_found_slow_then_gone_fails_its_waiting_legs_at_once() -> None:
+    """A decode whose probes first time out (slow: its legs are left alone) and then fail as
+    gone: a leg still waiting for its answer fails at that probe and the request is served
+    by the other decode, well before timeouts.decode_idle_s (it waited all of it before)."""
+    async def t() -> None:
+        async with proxy(n_decode=2, health=HealthConfig(interval_s=0.1, timeout_s=0.2),
+                         decision=DecisionConfig(enabled=False), timeouts=TimeoutConfig(
+                             prefill_s=2.0, decode_connect_s=2.0, decode_total_s=60.0,
+                             decode_idle_s=30.0)) as env:
+            d0, d1 = env.decode
+            d0.delay_s = 60.0  # takes the leg and never answers
+            body = {**GEN, "prompt": [5, 6, 7], "max_tokens": 4, "stream": True,
+                    "temperature": 0}
+            t0 = time.monotonic()
+            task = asyncio.create_task(env.client.post("/v1/completions", json=body))
+            for _ in range(100):
+                if d0.seen or d1.seen:
+                    break
+                await asyncio.sleep(0.02)
+            assert d0.seen and not d1.seen, "the leg went to d1: route it to d0 for this test"
+            d0.health_delay_s = 1.0  # slow: unhealthy, its waiting leg kept
+            for _ in range(100):
+                listed = (await (await env.admin.get("/admin/list")).json())["instances"]
+                if not next(i["healthy"] for i in listed if i["url"] == env.urls["d0"]):
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("d0 never turned unhealthy")
+            await asyncio.sleep(0.5)  # several slow probes
+            assert not task.done()
+            d0.health_delay_s, d0.health_status = 0.0, 503  # now gone
+            r = await task
+            text = await r.text()
+            assert r.status == 200 and "[DONE]" in text, text
+            assert time.monotonic() - t0 < 10.0, "waited out decode_idle_s"
+            assert d1.seen
+    run(t())
+
+
 def test_slo_aware_sheds_with_429_when_no_instance_meets_ttft() -> None:
     async def t() -> None:
         async with proxy(policy=PolicyConfig(prefill="slo_aware", decode="slo_aware"),
