@@ -213,6 +213,8 @@ class Response:
         Chunks that arrived together are yielded joined, so a relay writes them to its client
         in one call (one syscall instead of one per SSE event when the upstream runs ahead).
         """
+        if self._released:
+            return
         c = self._conn
         loop = c.pool.loop
         deadline = loop.time() + total_s
@@ -248,6 +250,8 @@ class Response:
 
     async def next_chunk(self, timeout: float) -> bytes | None:
         """The body bytes buffered now (joined) or the next to arrive; None at the body's end."""
+        if self._released:  # read to its end already: the connection is the pool's again
+            return None
         c = self._conn
         try:
             while not c.chunks:
@@ -277,8 +281,13 @@ class Response:
         largest Python cost of relaying a stream (docs/benchmarks.md). ``sink`` must not raise;
         it returns True when its client is backed up, which pauses reading the upstream until
         ``await drain()`` returns. Silence over ``idle_s`` (checked by one timer per interval,
-        not per chunk) or a total over ``total_s`` fails; so does an upstream error.
+        not per chunk) or a total over ``total_s`` fails; so does an upstream error. A body
+        already read to its end (``next_chunk`` returned None) has nothing left to relay: its
+        connection went back to the pool and may carry another request by now (a probe's),
+        whose bytes must not reach this sink.
         """
+        if self._released:
+            return
         c = self._conn
         loop = c.pool.loop
         deadline = loop.time() + total_s

@@ -342,6 +342,32 @@ def test_next_chunk_and_relay_deliver_the_body_then_return_the_connection() -> N
     run(t())
 
 
+def test_a_body_read_to_its_end_relays_nothing_though_its_connection_serves_another() -> None:
+    """next_chunk returned None (the body ended, its connection back in the pool); the
+    connection then carries another request. Relaying the ended body returns at once and sees
+    none of the other answer's bytes (it waited out its idle bound on a connection that was no
+    longer its own, with the other request's body going to its sink: a decode stream that
+    ended early hung 60 s while the proxy's probes used its connection)."""
+    async def t() -> None:
+        srv: Server
+
+        async with serving(lambda r, w: answer_each(r, w, srv)) as (srv, pool):
+            ended = await pool.request(b"POST", "/", b"1", **T)
+            assert await ended.next_chunk(2.0) == b'{"echo":1}'
+            assert await ended.next_chunk(2.0) is None
+            other = await pool.request(b"POST", "/", b"2", **T)  # the same connection
+            assert srv.connections == 1
+            relayed: list[bytes] = []
+
+            async def drain() -> None:
+                pass
+
+            await asyncio.wait_for(ended.relay(relayed.append, drain, 5.0, 5.0), 1.0)
+            assert [c async for c in ended.iter_chunks(5.0, 5.0)] == []
+            assert await other.read(2.0) == b'{"echo":2}' and relayed == []
+    run(t())
+
+
 def test_fail_waiting_abandons_requests_waiting_for_an_answer_only() -> None:
     async def t() -> None:
         srv: Server
