@@ -358,6 +358,27 @@ class EarlyCount(NamedTuple):
     fell_back: float
 
 
+def _prefill_legs_ended(url: str, within_s: float = 30.0) -> None:
+    """Until the proxy has no prefill leg in flight: an early handoff's prefill answer may
+    reach the proxy after decode's whole answer reached the client (bounded: a leg that never
+    ends is a failure of its own)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        text = urllib.request.urlopen(url + "/metrics", timeout=10).read()
+        if total(samples(text), "kvdisagg_proxy_instance_in_flight", side="prefill") == 0:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"a prefill leg still in flight after {within_s:.0f}s")
+        time.sleep(0.05)
+
+
+def _declined(url: str) -> dict[str, float]:
+    """The proxy's reasons for not dispatching early (kvdisagg_proxy_early_declined_total)."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    return {s.labels["reason"]: s.value for s in samples(text.encode())
+            if s.name == "kvdisagg_proxy_early_declined_total"}
+
+
 def _early(url: str) -> EarlyCount:
     """The proxy's early handoffs (proxy/metrics.py: kvdisagg_proxy_early_handoffs_total)."""
     found = scrape(url, EARLY)
@@ -420,6 +441,8 @@ def test_every_form_as_a_plain_instance_answers(fleet, proxies, mode):
     first_tokens = long_pd = refused_late = 0
     for i, (endpoint, body) in enumerate(forms(MODES.index(mode))):
         want, _ = call(fleet.reference.base_url, endpoint, body)
+        if mode == "decide-early":
+            _prefill_legs_ended(url)  # the precondition of going early: prefill idle
         got, handoff = call(url, endpoint, body)
         diffs = differences(got, want)
         paths = _expected_route(endpoint, body)
@@ -462,7 +485,8 @@ def test_every_form_as_a_plain_instance_answers(fleet, proxies, mode):
                        ) != (moved, 0):
                 diffs.append(f"early handoffs: {early.opened - early_at.opened:g} opened, "
                              f"{early.fell_back - early_at.fell_back:g} fell back; want "
-                             f"{moved} opened (path {handoff!r})")
+                             f"{moved} opened (path {handoff!r}); declined so far: "
+                             f"{_declined(url)}")
             early_at = early
         if diffs:
             failed.append(f"form {i} {endpoint} {json.dumps(body)[:300]}\n  " +

@@ -72,6 +72,7 @@ class Metrics:
         self.routes: dict[tuple[str, str], int] = {}
         self.migrations: dict[str, int] = {}
         self.early: dict[str, int] = {}
+        self.early_declines: dict[str, int] = {}
         self.first_tokens: dict[str, int] = {}
         self.predicted_hits: dict[str, int] = {}
         # the cache index (app.py sets it), for its per-instance gauges
@@ -115,6 +116,12 @@ class Metrics:
         """A decode leg sent together with its prefill leg (early.py): ``opened`` (decode
         answered), or ``fell_back`` (it failed: served the ordinary way)."""
         self.early[outcome] = self.early.get(outcome, 0) + 1
+
+    def early_declined(self, reason: str) -> None:
+        """A disaggregated request that may go out early went the ordinary way before sending
+        anything (early.py, "When"), and why: an operator asking why early dispatch is rare
+        reads it here."""
+        self.early_declines[reason] = self.early_declines.get(reason, 0) + 1
 
     def first_token(self, outcome: str) -> None:
         """A disaggregated stream eligible for prefill's first token (first_token.py): ``sent``
@@ -238,6 +245,11 @@ class Metrics:
             f"# TYPE {P}early_handoffs_total counter\n")
         for outcome, n in sorted(self.early.items()):
             add(f"{P}early_handoffs_total{_labels(outcome=outcome)} {n}\n")
+        add(f"# HELP {P}early_declined_total Disaggregated requests eligible for early "
+            f"dispatch that took the ordinary handoff instead, by reason.\n"
+            f"# TYPE {P}early_declined_total counter\n")
+        for reason, n in sorted(self.early_declines.items()):
+            add(f"{P}early_declined_total{_labels(reason=reason)} {n}\n")
         add(f"# HELP {P}first_tokens_from_prefill_total Disaggregated streams eligible for "
             f"prefill's first token, by outcome (sent: when prefill answered; ordinary: decode "
             f"gave it).\n# TYPE {P}first_tokens_from_prefill_total counter\n")

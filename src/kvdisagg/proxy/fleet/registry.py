@@ -118,8 +118,9 @@ class Instance:
         self.vllm_waiting = 0.0
         self.vllm_running = 0.0
         self.vllm_others = 0.0
-        """Requests vLLM held at the last scrape beyond this proxy's decode legs: other
-        clients' (another proxy's, a direct caller's)."""
+        """Requests vLLM held at the last scrape beyond this proxy's legs (prefill and decode):
+        other clients' (another proxy's, a direct caller's). Our own leg caught waiting by a
+        scrape is not one: read raw, it kept an idle prefill "busy" until the next probe."""
         self.recomputed: dict[str, float] = {}
         """The instance's vllm:kvdisagg_recomputed_prompts_total by reason, as last scraped."""
         self.prefill_s_per_token: float | None = None
@@ -463,7 +464,7 @@ class Registry:
             ok, error, dead = False, f"/health: {exc}", True
         if ok and cfg.scrape_metrics:  # load gauges only: a slow /metrics is not a failure
             try:
-                mine = inst.in_flight(Side.DECODE)
+                mine = inst.in_flight(Side.PREFILL) + inst.in_flight(Side.DECODE)
                 resp = await inst.pool.request(b"GET", "/metrics", connect_s=cfg.timeout_s,
                                                headers_s=cfg.timeout_s)
                 text = await resp.read(cfg.timeout_s)
@@ -473,7 +474,7 @@ class Registry:
                     # Discounted by the most of our own legs it may have counted: a leg that
                     # ended during the scrape must not read as another client's for a probe
                     # interval (it blocked prefill_busy right after a burst).
-                    mine = max(mine, inst.in_flight(Side.DECODE))
+                    mine = max(mine, inst.in_flight(Side.PREFILL) + inst.in_flight(Side.DECODE))
                     inst.vllm_others = max(0.0, inst.vllm_waiting + inst.vllm_running - mine)
                     inst.recomputed = recomputed_by_reason(found)
                     if (versions := protocol_versions(found)) is not None:

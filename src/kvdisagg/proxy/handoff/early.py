@@ -14,11 +14,12 @@ layout, transport and shape, which do not change while it runs) with the new id 
 position.
 
 **When.** The decision is on and chose ``pd`` (``--always-disaggregate`` keeps the ordinary
-handoff for every request); the chosen prefill is idle (no leg of ours in flight,
-nothing waiting in its vLLM gauges: it starts at once, so decode holds the request's blocks for
-the prefill's compute, not its queue); an earlier handoff told us its parameters; its
-transport is a pull transport (a store has no side channel: port 0); the pair speaks protocol
-version ``EARLY_HANDOFF_VERSION`` or later (or the proxy does not know their versions).
+handoff for every request); the chosen prefill is idle (no leg of ours in flight, no other
+client's request in its vLLM gauges at the last probe: it starts at once, so decode holds the
+request's blocks for the prefill's compute, not its queue); an earlier handoff told us its
+parameters; its transport is a pull transport (a store has no side channel: port 0); the pair
+speaks protocol version ``EARLY_HANDOFF_VERSION`` or later (or the proxy does not know their
+versions).
 Otherwise, and for a migrated stream's continuation, the ordinary path.
 
 **Failure.** If the prefill leg fails first, the decode leg is cancelled (vLLM aborts it) and
@@ -92,18 +93,16 @@ class EarlyDispatch:
         the ordinary path (not eligible, or a leg failed). A client error (4xx) from the
         prefill leg raises ``Refusal``."""
         x = self.x
-        decode = plan.decode.instance
-        sel = plan.prefill
-        if decode is None or sel is None or decode not in x.registry.candidates(Side.DECODE):
-            return Early()
-        inst = sel.instance
-        if (inst is None or sel.verdict is not Verdict.OK or inst.handoff_params is None
-                or inst.in_flight(Side.PREFILL) or inst.vllm_waiting >= 1
-                or not _speak_early(inst, decode)):
-            return Early()
+        decode, sel = plan.decode.instance, plan.prefill
+        inst = sel.instance if sel is not None and sel.verdict is Verdict.OK else None
         named = {"handoff_id": secrets.token_urlsafe(16), "token": secrets.token_urlsafe(16)}
-        kv = early_params(inst.handoff_params, **named)
-        if kv is None:
+        kv = None
+        declined = _declined(x.registry.candidates(Side.DECODE), decode, inst)
+        if declined is None and inst is not None and inst.handoff_params is not None:
+            kv = early_params(inst.handoff_params, **named)
+            declined = "store_transport" if kv is None else None
+        if declined is not None or kv is None or decode is None or inst is None:
+            x.metrics.early_declined(declined or "store_transport")
             return Early()
         deadline = time.perf_counter() + x.cfg.timeouts.decode_total_s
         prefilled = asyncio.ensure_future(PrefillStage(x).leg(inst, named))
@@ -135,6 +134,25 @@ class EarlyDispatch:
                     "way", x.rid, opened.failure.message,
                     "" if failed is None else f", prefill too ({failed.message})")
         return Early() if failed is None else _retry_from(inst, failed)
+
+
+def _declined(decodes: list[Instance], decode: Instance | None,
+              prefill: Instance | None) -> str | None:
+    """Why the request cannot go out early (None: it can, if its transport pulls); the
+    reasons of the module docstring, as ``kvdisagg_proxy_early_declined_total`` names them."""
+    if decode is None or decode not in decodes:
+        return "no_decode"
+    if prefill is None:
+        return "no_prefill"  # none chosen, or predicted to miss the SLO
+    if prefill.handoff_params is None:
+        return "no_template"
+    if prefill.in_flight(Side.PREFILL):
+        return "prefill_busy"
+    if prefill.vllm_others >= 1:  # our own legs discounted: a stale reading of the last one
+        return "prefill_queue"     # (caught waiting by a probe) must not decline the next
+    if not _speak_early(prefill, decode):
+        return "protocol"
+    return None
 
 
 def _speak_early(prefill: Instance, decode: Instance) -> bool:

@@ -47,6 +47,9 @@ def test_the_decode_leg_goes_out_with_the_prefill_leg_naming_the_same_handoff() 
             text = await env.metrics()
             assert metric(text, "kvdisagg_proxy_early_handoffs_total", outcome="opened") == 1
             assert metric(text, "kvdisagg_proxy_routed_total", route="pd") == 3
+            # Why the other two went the ordinary way: no template yet, then prefill busy.
+            for reason in ("no_template", "prefill_busy"):
+                assert metric(text, "kvdisagg_proxy_early_declined_total", reason=reason) == 1
     run(t())
 
 
@@ -148,5 +151,35 @@ def test_no_early_dispatch_for_a_pair_that_speaks_only_a_version_before_early_ha
             assert all("kvdisagg_early" not in s["body"]["kv_transfer_params"]
                        for s in prefill.seen)
             assert decode.incompatible == 0
-            assert metric(await env.metrics(), "kvdisagg_proxy_early_handoffs_total") == 0
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_early_handoffs_total") == 0
+            assert metric(text, "kvdisagg_proxy_early_declined_total", reason="protocol") >= 2
+    run(t())
+
+
+def test_a_probe_that_read_our_own_prefill_leg_does_not_decline_the_next() -> None:
+    """A probe reads prefill's vLLM while our prefill leg runs there: that request is ours,
+    not another client's, so once it has ended the next request still goes out early (the
+    stale reading declined it, `prefill_queue`, until the next probe)."""
+    from kvdisagg.proxy.app import REGISTRY
+    from kvdisagg.proxy.config import HealthConfig
+    from kvdisagg.proxy.types import Side
+
+    async def t() -> None:
+        async with proxy(decision=EARLY_ON, health=HealthConfig(interval_s=0.05)) as env:
+            prefill = env.prefill[0]
+            prefill.full_kv = True
+            assert await _send(env) == (200, "pd")  # the handoff template
+            inst = env.client.server.app[REGISTRY].get(env.urls["p0"])
+            prefill.delay_s = 0.4
+            sent = asyncio.ensure_future(_send(env))
+            await until(lambda: inst.vllm_running >= 1, "a probe reading our prefill leg")
+            assert inst.vllm_others == 0
+            assert await sent == (200, "pd")
+            await until(lambda: inst.in_flight(Side.PREFILL) == 0, "its prefill leg's end")
+            prefill.delay_s = 0
+            assert await _send(env) == (200, "pd")
+            text = await env.metrics()
+            assert metric(text, "kvdisagg_proxy_early_handoffs_total", outcome="opened") == 2
+            assert metric(text, "kvdisagg_proxy_early_declined_total", reason="prefill_queue") == 0
     run(t())
