@@ -77,9 +77,9 @@ def session_fleet(model: Path, otlp_sink):
                   prefill_extra={"lease_seconds": LEASE_S, **trace},
                   decode_extra={"transfer_timeout_seconds": TIMEOUT_S, **trace},
                   proxy_args=["--otlp-traces-endpoint", otlp_sink.url],
-                  kv_cache_gib=KV_CACHE_GIB)
+                  kv_cache_gib=KV_CACHE_GIB, worker_in_engine=True)
     corrupt = VllmServer(model, log_path=LOG_DIR / "decode-corrupt.log", omp_threads_bind="1",
-                         kv_cache_gib=KV_CACHE_GIB,
+                         kv_cache_gib=KV_CACHE_GIB, worker_in_engine=True,
                          env={"PYTHONPATH": os.pathsep.join(filter(None, (
                              str(Path(__file__).resolve().parents[2]),
                              os.environ.get("PYTHONPATH"))))},

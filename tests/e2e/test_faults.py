@@ -93,7 +93,7 @@ def faults(model, tmp_path_factory, plain):
                   prefill_extra={"lease_seconds": LEASE_S},
                   decode_extra={"transfer_timeout_seconds": TRANSFER_TIMEOUT_S,
                                 "transport": "tests.support.faults:CuttingTcpTransport"},
-                  proxy_args=["--config", str(config)])
+                  proxy_args=["--config", str(config)], worker_in_engine=True)
     fleet.arm, fleet.plain = arm, plain
     with fleet:
         yield fleet

@@ -159,7 +159,8 @@ def fleet(model):
                                  "transfer_timeout_seconds": TRANSFER_TIMEOUT_S},
                   decode_extra={"transfer_timeout_seconds": TRANSFER_TIMEOUT_S},
                   prefill_args=["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)],
-                  decode_args=["--shutdown-timeout", str(DECODE_SHUTDOWN_S)])
+                  decode_args=["--shutdown-timeout", str(DECODE_SHUTDOWN_S)],
+                  worker_in_engine=True)
     with fleet:
         yield fleet
 

@@ -39,7 +39,7 @@ BUDGET = 64  # vLLM's step budget: every prompt past it is prefilled in chunks
 
 @pytest.fixture(scope="module")
 def instance(model: Path):
-    server = VllmServer(model, log_path=LOG_DIR / "kv-index.log",
+    server = VllmServer(model, log_path=LOG_DIR / "kv-index.log", worker_in_engine=True,
                         extra_args=[*kv_events_args("kv-index"),  # loopback and a socket file
                                     "--max-num-batched-tokens", str(BUDGET)])
     with server:

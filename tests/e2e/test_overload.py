@@ -109,7 +109,7 @@ def fleet(request, model):
     binds = {} if request.param == "own-cores" else {"prefill": None, "decode": None}
     fleet = Fleet(model, LOG_DIR / f"overload-{request.param}", binds=binds,
                   prefill_extra={"lease_seconds": LEASE_S}, always_disaggregate=False,
-                  kv_events=True)
+                  kv_events=True, worker_in_engine=request.param == "own-cores")
     with fleet:
         yield fleet
 

@@ -62,8 +62,9 @@ def fleets(model):
     fleet = Fleet(model, LOG_DIR / "scheduler",
                   prefill_args=SCHEDULER, decode_args=SCHEDULER,
                   prefill_extra={"lease_seconds": 8.0, "scheduler": PREFILL},
-                  decode_extra={"scheduler": DECODE})
+                  decode_extra={"scheduler": DECODE}, worker_in_engine=True)
     colocated = VllmServer(model, log_path=LOG_DIR / "scheduler" / "colocated.log",
+                           worker_in_engine=True,
                            extra_args=[*SCHEDULER, *kv_transfer_args(
                                "kv_both", {"scheduler": {**PREFILL, **DECODE}})])
     colocated.start()

@@ -48,7 +48,8 @@ def tfleet(request, model, plain):
         fleet = Fleet(model, LOG_DIR / name, prefill_extra={**extra, "lease_seconds": LEASE_S},
                       decode_extra=extra, prefill_failure_policy="recompute",
                       # lmcache: vLLM's own prefix cache would hide the store's hits.
-                      prefill_args=["--no-enable-prefix-caching"] if lmcache else [])
+                      prefill_args=["--no-enable-prefix-caching"] if lmcache else [],
+                      worker_in_engine=True)
         stack.enter_context(fleet)
         fleet.transport, fleet.lmcache, fleet.timeout_s = name, lmcache, timeout_s
         fleet.plain = plain  # the answers P/D must give (the session's plain instance)

@@ -59,6 +59,7 @@ def fleet(model, session_fleet) -> Iterator[MixedFleet]:
     """One instance more than the session's: the upgraded prefill (on prefill's core)."""
     log_dir = LOG_DIR / "upgrade"
     upgraded = VllmServer(model, log_path=log_dir / "prefill-next.log", omp_threads_bind="0",
+                          worker_in_engine=True,
                           extra_args=kv_transfer_args("kv_producer", {
                               "protocol_version_override": NEXT, "lease_seconds": 8.0}))
     upgraded.start()

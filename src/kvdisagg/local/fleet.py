@@ -112,7 +112,7 @@ class Fleet:
                  env: dict[str, str] | None = None, always_disaggregate: bool = True,
                  prefills: int = 1, decodes: int = 1, kv_events: bool = False,
                  prefill_extras: Sequence[dict[str, Any] | None] = (),
-                 kv_cache_gib: float = 1.0) -> None:
+                 kv_cache_gib: float = 1.0, worker_in_engine: bool = False) -> None:
         """``always_disaggregate``: the proxy sends every request through prefill (what tests
         of the handoff want); False: the proxy decides per request, as it does by default.
         ``prefills``: how many prefill instances (``self.prefills``; ``self.prefill`` is the
@@ -125,7 +125,8 @@ class Fleet:
         ``kv_events``: prefill and decode
         publish vLLM's KV cache events (``kv_events_args``) and the proxy tokenizes with the
         model's tokenizer, so its cache index predicts what each instance holds.
-        ``kv_cache_gib``: each instance's KV cache, per rank."""
+        ``kv_cache_gib``: each instance's KV cache, per rank. ``worker_in_engine``: every
+        instance runs its worker in its engine process (``VllmServer``; one rank each)."""
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = log_dir
         bind = {"prefill": "0", "decode": "1", "reference": "nobind", **(binds or {})}
@@ -136,13 +137,13 @@ class Fleet:
                                        prefill_extra, prefill_extras, i),
                                        prefill_failure_policy), *prefill_args,
                                    *(kv_events_args(f"prefill{i}") if kv_events else ())],
-                       env=env, kv_cache_gib=kv_cache_gib)
+                       env=env, kv_cache_gib=kv_cache_gib, worker_in_engine=worker_in_engine)
             for i in range(prefills)]
         self.prefill = self.prefills[0]
         self.decodes = [
             VllmServer(model, log_path=log_dir / (f"decode{i}.log" if i else "decode.log"),
                        omp_threads_bind=bind.get(f"decode{i}", bind["decode"]), env=env,
-                       kv_cache_gib=kv_cache_gib,
+                       kv_cache_gib=kv_cache_gib, worker_in_engine=worker_in_engine,
                        extra_args=[*kv_transfer_args("kv_consumer", decode_extra,
                                                      decode_failure_policy), *decode_args,
                                    *(kv_events_args(f"decode{i}" if i else "decode")
@@ -152,6 +153,7 @@ class Fleet:
         self.reference = (VllmServer(model, log_path=log_dir / "reference.log",
                                      omp_threads_bind=bind["reference"], env=env,
                                      kv_cache_gib=kv_cache_gib,
+                                     worker_in_engine=worker_in_engine,
                                      extra_args=list(reference_args))
                           if reference else None)
         self.proxy_port = free_port()

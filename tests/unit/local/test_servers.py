@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from kvdisagg.local.fleet import kv_events_args
 from kvdisagg.local.servers import VllmServer, stop_all
 
@@ -101,3 +103,20 @@ def test_the_kv_cache_size_is_the_flag_not_the_environment(tmp_path: Path, monke
     command = server.command()
     assert command[command.index("--kv-cache-memory-bytes") + 1] == str(2**28)
     assert "VLLM_CPU_KVCACHE_SPACE" not in server.environment()
+
+
+def test_a_worker_in_the_engine_process_is_asked_for_as_vllm_cpu_keeps_it(tmp_path: Path) -> None:
+    """``uni`` executor and VLLM_ENABLE_V1_MULTIPROCESSING=0 (without it vllm-cpu forces
+    ``mp``); by default neither; a server of several ranks cannot hold its workers in one."""
+    server = VllmServer(tmp_path / "m", worker_in_engine=True)
+    command = server.command()
+    assert command[command.index("--distributed-executor-backend") + 1] == "uni"
+    assert server.environment()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    plain = VllmServer(tmp_path / "m")
+    assert "--distributed-executor-backend" not in plain.command()
+    assert plain.environment().get("VLLM_ENABLE_V1_MULTIPROCESSING") == os.environ.get(
+        "VLLM_ENABLE_V1_MULTIPROCESSING")
+    for args in (["--tensor-parallel-size", "2"], ["-pp=2"]):
+        with pytest.raises(ValueError, match="2 ranks"):
+            VllmServer(tmp_path / "m", extra_args=args, worker_in_engine=True)
+    VllmServer(tmp_path / "m", extra_args=["--tensor-parallel-size", "1"], worker_in_engine=True)
