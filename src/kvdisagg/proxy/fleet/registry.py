@@ -230,7 +230,7 @@ class Instance:
         """An unhealthy instance whose probe shows it gone: the legs waiting on it fail now
         (and migrate or retry) instead of waiting out their timeouts. Checked at every such
         probe, not only when it turns unhealthy: an instance first found slow (probes timing
-        out) and then gone kept two streams waiting the full timeouts.decode_idle_s. A slow
+        out) and then gone kept its waiting legs for their whole timeouts. A slow
         instance still answers the legs it has, so only a dead one fails them. A retiring one's
         streams fail too: its drain has ended (vLLM killed its engine at --shutdown-timeout and
         stopped listening), so they would stall for good."""
