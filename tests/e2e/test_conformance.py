@@ -50,6 +50,8 @@ FORMS = 44  # generated forms per mode, plus the issue's named holes (HOLES)
 LOGPROB_RTOL = 1e-4
 PULLS = "vllm:kvdisagg_pulls_total"  # decode's: one per handoff it loaded
 EARLY = "kvdisagg_proxy_early_handoffs_total"
+DECLINED = "kvdisagg_proxy_early_declined_total"
+IN_FLIGHT = "kvdisagg_proxy_instance_in_flight"
 WORDS = ("sea fox dog tide salt wind shore wave gull rock sand reef boat net storm calm "
          "café naïve 東京 señor ünter björk crème").split()
 EOS, PAD, PARTIAL_BYTE, LETTER_C = 2, 3, 131, 70  # tiny model ids: </s>, <pad>, 0xC3, "c"
@@ -364,8 +366,7 @@ def _prefill_legs_ended(url: str, within_s: float = 30.0) -> None:
     ends is a failure of its own)."""
     deadline = time.monotonic() + within_s
     while True:
-        text = urllib.request.urlopen(url + "/metrics", timeout=10).read()
-        if total(samples(text), "kvdisagg_proxy_instance_in_flight", side="prefill") == 0:
+        if total(scrape(url, IN_FLIGHT), IN_FLIGHT, side="prefill") == 0:
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"a prefill leg still in flight after {within_s:.0f}s")
@@ -374,9 +375,7 @@ def _prefill_legs_ended(url: str, within_s: float = 30.0) -> None:
 
 def _declined(url: str) -> dict[str, float]:
     """The proxy's reasons for not dispatching early (kvdisagg_proxy_early_declined_total)."""
-    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    return {s.labels["reason"]: s.value for s in samples(text.encode())
-            if s.name == "kvdisagg_proxy_early_declined_total"}
+    return {s.labels["reason"]: s.value for s in scrape(url, DECLINED)}
 
 
 def _early(url: str) -> EarlyCount:

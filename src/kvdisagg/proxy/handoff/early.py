@@ -95,14 +95,15 @@ class EarlyDispatch:
         x = self.x
         decode, sel = plan.decode.instance, plan.prefill
         inst = sel.instance if sel is not None and sel.verdict is Verdict.OK else None
-        named = {"handoff_id": secrets.token_urlsafe(16), "token": secrets.token_urlsafe(16)}
-        kv = None
         declined = _declined(x.registry.candidates(Side.DECODE), decode, inst)
-        if declined is None and inst is not None and inst.handoff_params is not None:
-            kv = early_params(inst.handoff_params, **named)
-            declined = "store_transport" if kv is None else None
-        if declined is not None or kv is None or decode is None or inst is None:
-            x.metrics.early_declined(declined or "store_transport")
+        if declined is not None:
+            x.metrics.early_declined(declined)
+            return Early()
+        assert decode is not None and inst is not None and inst.handoff_params is not None
+        named = {"handoff_id": secrets.token_urlsafe(16), "token": secrets.token_urlsafe(16)}
+        kv = early_params(inst.handoff_params, **named)
+        if kv is None:
+            x.metrics.early_declined("store_transport")
             return Early()
         deadline = time.perf_counter() + x.cfg.timeouts.decode_total_s
         prefilled = asyncio.ensure_future(PrefillStage(x).leg(inst, named))
